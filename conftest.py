@@ -1,0 +1,1 @@
+"""Root conftest: the plugin itself is registered by its pytest11 entry point (pip install -e .)."""

@@ -1,0 +1,101 @@
+"""Fixtures for the suite's own tests: Keras trees to point --keras-path at, inner sessions.
+
+Keras trees are real wheels from the package registry, unpacked (a wheel is a zip), and
+cached in pytest's cache folder, so the tests exercise --keras-path exactly as a user would.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+import zipfile
+
+import psutil
+import pytest
+
+pytest_plugins = ["pytester"]
+
+KERAS_WITHOUT_TORCH_DISTRIBUTION = "keras==3.15.1"
+KERAS_NIGHTLY = "keras-nightly==3.16.0.dev2026102704"
+
+#: Ranks inherit the controller's environment, so a tag there finds every process a session left.
+TAG_VAR = "SELFTEST_SESSION_TAG"
+
+collect_ignore = [] if os.environ.get("TORCHELASTIC_RUN_ID") else ["under_torchrun"]
+
+
+def unpacked_wheel(config: pytest.Config, requirement: str) -> str:
+    """``pip download`` one wheel (no dependencies) and unzip it; cached across sessions."""
+    name = requirement.replace("==", "-")
+    root = config.cache.mkdir(f"keras-tree-{name}")
+    tree = root / "tree"
+    if not (tree / "keras" / "__init__.py").exists():
+        wheels = root / "wheels"
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+             "-d", str(wheels), requirement],
+            check=True,
+        )
+        (wheel,) = wheels.glob("*.whl")
+        with zipfile.ZipFile(wheel) as zf:
+            zf.extractall(tree)
+    return str(tree)
+
+
+@pytest.fixture(scope="session")
+def keras_3151_tree(pytestconfig) -> str:
+    return unpacked_wheel(pytestconfig, KERAS_WITHOUT_TORCH_DISTRIBUTION)
+
+
+@pytest.fixture(scope="session")
+def keras_nightly_tree(pytestconfig) -> str:
+    return unpacked_wheel(pytestconfig, KERAS_NIGHTLY)
+
+
+def tagged_processes(tag: str) -> list[psutil.Process]:
+    """Live processes whose environment carries ``tag`` (an inner session's ranks and their children)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid != os.getpid() and proc.environ().get(TAG_VAR) == tag and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return found
+
+
+class InnerSession:
+    """A pytest session in a subprocess, in pytester's folder, its processes tagged."""
+
+    def __init__(self, pytester: pytest.Pytester):
+        self.pytester = pytester
+        self.tag = uuid.uuid4().hex
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ, **{TAG_VAR: self.tag})
+        env.pop("PYTEST_ADDOPTS", None)
+        return env
+
+    def command(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args]
+
+    def run(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            self.command(*args), cwd=self.pytester.path, env=self.env(), capture_output=True, text=True, timeout=timeout
+        )
+
+    def popen(self, *args: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            self.command(*args), cwd=self.pytester.path, env=self.env(),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+
+    def leftovers(self) -> list[psutil.Process]:
+        return tagged_processes(self.tag)
+
+
+@pytest.fixture
+def inner(pytester: pytest.Pytester) -> InnerSession:
+    return InnerSession(pytester)

@@ -1,0 +1,154 @@
+"""The rank pool through pure torch DTensor cells on --nproc gloo ranks: pass, raise, hang, crash.
+
+After every failure kind the next ordinary call must pass on a working pool (recovery),
+and ordinary calls must reuse the same rank processes (no respawn per test).
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import psutil
+import pytest
+
+from keras_dtensor_conformance.outcomes import CRASH, ERROR, HANG, RankFailure
+from tests import torch_cells
+
+
+def assert_pool_works(pool) -> None:
+    result = pool.run(torch_cells.whoami)
+    assert result.ok, result.story()
+    assert [rank for rank, _ in result.values] == list(range(pool.nproc))
+
+
+def test_sharded_matmul_passes(dist_ranks):
+    result = dist_ranks.run(torch_cells.sharded_matmul)
+    assert result.ok, result.story()
+    values = result.values
+    assert [v["rank"] for v in values] == list(range(dist_ranks.nproc))
+    assert len({v["pid"] for v in values}) == dist_ranks.nproc
+    for v in values:
+        assert v["placements"] == ["S(0)"]
+        assert v["local_shape"] == (8 // dist_ranks.nproc, 3)
+        assert v["max_error"] < 1e-5
+
+
+def test_ordinary_calls_reuse_the_same_rank_processes(dist_ranks):
+    starts = dist_ranks.starts
+    first = dist_ranks.run(torch_cells.whoami).values
+    second = dist_ranks.run(torch_cells.whoami).values
+    assert first == second
+    assert [pid for _, pid in first] == dist_ranks.pids
+    assert dist_ranks.starts == starts
+
+
+def test_exception_on_one_rank_fails_with_every_ranks_story(dist_ranks):
+    result = dist_ranks.run(torch_cells.raise_on_rank, 1)
+    assert not result.ok
+    bad, waiting = result.outcomes[1], result.outcomes[0]
+    assert bad.status == ERROR
+    assert bad.error.type == "ValueError"
+    assert "deliberate failure on rank 1" in bad.error.message
+    assert "raise_on_rank" in bad.error.traceback
+    assert "rank 1 says hello on stdout" in bad.stdout
+    # Rank 0 waits in a barrier rank 1 never joins: it must not hang the session.
+    assert waiting.status == HANG
+    assert "after rank 1 failed" in waiting.note
+    assert "barrier" in waiting.stack
+    story = result.story()
+    assert "rank 0" in story and "rank 1" in story and "deliberate failure" in story
+    with pytest.raises(RankFailure, match="deliberate failure on rank 1"):
+        result.values
+    assert_pool_works(dist_ranks)
+
+
+def test_exception_on_every_rank_keeps_the_pool(dist_ranks):
+    """When every rank raised and the group is still in step, the ranks are not restarted."""
+    dist_ranks.run(torch_cells.whoami)
+    pids = dist_ranks.pids
+    result = dist_ranks.run(torch_cells.raise_everywhere)
+    assert [o.status for o in result.outcomes] == [ERROR] * dist_ranks.nproc
+    assert not result.pool_restarted
+    assert dist_ranks.pids == pids
+    assert_pool_works(dist_ranks)
+
+
+def test_hang_dumps_every_rank_and_restarts_the_pool(dist_ranks):
+    dist_ranks.run(torch_cells.whoami)
+    old_pids = dist_ranks.pids
+    result = dist_ranks.run(torch_cells.hang_on_rank, 1, timeout=5)
+    assert [o.status for o in result.outcomes] == [HANG] * dist_ranks.nproc
+    assert "hang_on_rank" in result.outcomes[1].stack  # the stuck rank's own frame
+    assert "barrier" in result.outcomes[0].stack  # the other one, in its collective
+    assert "within the 5s timeout" in result.outcomes[1].note
+    assert result.pool_restarted
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in old_pids)
+    assert_pool_works(dist_ranks)
+    assert set(dist_ranks.pids).isdisjoint(old_pids)
+
+
+@pytest.mark.parametrize(
+    "how, exitcode, words",
+    [("exit", 3, "exit code 3"), ("segv", -11, "SIGSEGV"), ("kill", -9, "SIGKILL")],
+    ids=["os-exit", "segfault", "sigkill"],
+)
+def test_crash_names_the_rank_and_its_exit(dist_ranks, how, exitcode, words):
+    result = dist_ranks.run(torch_cells.crash_on_rank, 1, how)
+    dead = result.outcomes[1]
+    assert dead.status == CRASH
+    assert dead.exitcode == exitcode
+    assert words in dead.headline()
+    assert "about to die" in dead.stderr
+    if how == "segv":
+        assert "Segmentation fault" in dead.stderr  # faulthandler's dump of the dying rank
+    assert result.outcomes[0].status in (ERROR, HANG)  # its peer vanished mid-collective
+    assert result.pool_restarted
+    assert_pool_works(dist_ranks)
+
+
+def test_state_does_not_leak_between_cells(dist_ranks):
+    assert dist_ranks.run(torch_cells.leak_state).ok
+    seen = dist_ranks.run(torch_cells.observe_state).values
+    fresh = dist_ranks.run(torch_cells.observe_state).values
+    for state in seen:
+        assert state["leaked_env"] is None
+        assert state["grad_enabled"] is True
+    assert seen == fresh  # the same seeds: the same first random number
+
+
+def test_hung_rank_children_are_killed_with_it(dist_ranks):
+    token = uuid.uuid4().hex
+    result = dist_ranks.run(torch_cells.spawn_child_and_wait, 60, token, timeout=5)
+    assert result.status == HANG
+    leftovers = [
+        p for p in psutil.process_iter(["cmdline"]) if any(token in part for part in (p.info["cmdline"] or []))
+    ]
+    assert leftovers == []
+    assert_pool_works(dist_ranks)
+
+
+def test_run_refuses_a_function_the_ranks_cannot_import(dist_ranks):
+    def local():
+        return 1
+
+    with pytest.raises(TypeError, match="module-level"):
+        dist_ranks.run(local)
+
+
+def test_unpicklable_return_value_is_the_ranks_error(dist_ranks):
+    result = dist_ranks.run(torch_cells.return_unpicklable)
+    assert result.status == ERROR
+    assert "cannot be sent to the controller" in result.outcomes[0].error.message
+    assert result.outcomes[0].status == ERROR
+    assert_pool_works(dist_ranks)
+
+
+def test_nccl_ranks_run_the_same_cell(conformance_state):
+    gpus = conformance_state.build.cuda_devices
+    nproc = conformance_state.nproc
+    if gpus < nproc:
+        pytest.skip(f"NCCL needs one GPU per rank: --nproc {nproc}, {gpus} GPU(s) visible")
+    pool = conformance_state.pool(import_keras=False, backend="nccl")
+    result = pool.run(torch_cells.sharded_matmul)
+    assert result.ok, result.story()
+    assert all(v["max_error"] < 1e-3 for v in result.values)

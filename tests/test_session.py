@@ -1,0 +1,177 @@
+"""Whole pytest sessions in a subprocess: bad input, builds without torch distribution,
+--keras-path, mesh skips, and no process left behind however the session ends."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import psutil
+import pytest
+
+USAGE_ERROR = 4
+INTERRUPTED = 2
+
+CELLS = """
+import os, time
+import torch.distributed as dist
+
+def whoami():
+    return dist.get_rank(), os.getpid()
+
+def keras_file():
+    import keras
+    return keras.__file__
+
+def sleep_forever():
+    print("cell started", flush=True)
+    while True:
+        time.sleep(0.1)
+
+def test_torch_cell(dist_ranks):
+    assert dist_ranks.run(whoami).ok
+
+def test_keras_cell(keras_ranks):
+    assert keras_ranks.run(keras_file).ok
+"""
+
+
+def only_error_line(result) -> str:
+    """The session must say one thing: an ``ERROR:`` line, and no traceback."""
+    output = result.stdout + result.stderr
+    assert "Traceback" not in output, output
+    errors = [line for line in output.splitlines() if line.startswith("ERROR:")]
+    assert len(errors) == 1, output
+    return errors[0]
+
+
+def test_nonexistent_keras_path_is_a_usage_error(inner, tmp_path):
+    inner.pytester.makepyfile(CELLS)
+    result = inner.run("--keras-path", str(tmp_path / "nowhere"))
+    assert result.returncode == USAGE_ERROR
+    assert "no such directory" in only_error_line(result)
+    assert inner.leftovers() == []  # no rank started
+
+
+def test_folder_without_keras_is_a_usage_error(inner, tmp_path):
+    inner.pytester.makepyfile(CELLS)
+    result = inner.run("--keras-path", str(tmp_path))
+    assert result.returncode == USAGE_ERROR
+    assert "no Keras package there" in only_error_line(result)
+
+
+def test_keras_that_fails_to_import_shows_its_error(inner, tmp_path):
+    (tmp_path / "keras").mkdir()
+    (tmp_path / "keras" / "__init__.py").write_text("raise ImportError('boom: this build is broken')\n")
+    inner.pytester.makepyfile(CELLS)
+    result = inner.run("--keras-path", str(tmp_path))
+    assert result.returncode == USAGE_ERROR
+    line = only_error_line(result)
+    assert "`import keras` failed" in line and "boom: this build is broken" in line
+
+
+def test_more_gpus_than_visible_is_a_usage_error(inner, keras_build):
+    if keras_build.cuda_devices >= 64:
+        pytest.skip("this machine has 64 GPUs")
+    inner.pytester.makepyfile(CELLS)
+    result = inner.run("--dist-backend", "nccl", "--nproc", "64")
+    assert result.returncode == USAGE_ERROR
+    assert "needs one GPU per rank" in only_error_line(result)
+
+
+def test_build_without_torch_distribution_skips_every_cell_once(inner, keras_3151_tree):
+    inner.pytester.makepyfile(CELLS)
+    result = inner.run("--keras-path", keras_3151_tree, "-rs")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "keras: 3.15.1 from " + keras_3151_tree in out
+    assert "torch_distribution_lib=no" in out
+    assert "1 passed, 1 skipped" in out  # the pure torch cell still runs
+    reason = "has no torch distribution support"
+    summary = [line for line in out.splitlines() if "conformance cells skipped" in line]
+    assert len(summary) == 1 and reason in summary[0], out
+
+
+def test_keras_path_tree_is_what_every_rank_imports(inner, keras_nightly_tree):
+    inner.pytester.makepyfile(
+        CELLS
+        + f"""
+def test_ranks_import_the_tree(keras_ranks):
+    files = keras_ranks.run(keras_file).values
+    assert all(f.startswith({keras_nightly_tree!r}) for f in files), files
+"""
+    )
+    result = inner.run("--keras-path", keras_nightly_tree)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"from {keras_nightly_tree}" in result.stdout
+    assert "model_parallel=yes" in result.stdout
+    assert "3 passed" in result.stdout
+
+
+def test_cell_whose_mesh_does_not_fit_nproc_is_skipped(inner):
+    inner.pytester.makepyfile(
+        """
+import pytest
+
+@pytest.mark.mesh(2, 2)
+def test_two_by_two(dist_ranks):
+    pass
+
+@pytest.mark.mesh(2)
+def test_two(dist_ranks):
+    pass
+"""
+    )
+    result = inner.run("--nproc", "2", "-rs")
+    assert result.returncode == 0, result.stdout
+    assert "mesh 2x2 needs --nproc 4 (this run has --nproc 2)" in result.stdout
+    assert "1 passed, 1 skipped" in result.stdout
+
+
+@pytest.mark.parametrize("body, code", [("pass", 0), ("assert False", 1)], ids=["normal-end", "failing-end"])
+def test_session_end_leaves_no_process(inner, body, code):
+    inner.pytester.makepyfile(CELLS + f"\ndef test_last(dist_ranks):\n    {body}\n")
+    result = inner.run("-k", "torch_cell or last")
+    assert result.returncode == code, result.stdout
+    assert inner.leftovers() == []
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def start_a_hanging_session(inner) -> tuple:
+    inner.pytester.makepyfile(CELLS + "\ndef test_hangs(dist_ranks):\n    dist_ranks.run(sleep_forever)\n")
+    proc = inner.popen("-k", "hangs", "-s")
+
+    def rank_workers():
+        found = [p for p in inner.leftovers() if any("rank_worker" in part for part in p.cmdline())]
+        return found if len(found) == 2 else None
+
+    ranks = wait_for(rank_workers, 120, "the ranks to start")
+    time.sleep(3.0)  # the ranks are up; give the controller time to hand them the cell
+    return proc, ranks
+
+
+def test_ctrl_c_leaves_no_process(inner):
+    proc, ranks = start_a_hanging_session(inner)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == INTERRUPTED, out
+    assert "KeyboardInterrupt" in out
+    wait_for(lambda: inner.leftovers() == [], 15, "no leftover process")
+
+
+def test_killed_controller_takes_its_ranks_along(inner):
+    """pytest SIGKILLed (CI cancel, OOM): each rank sees its parent gone and exits."""
+    proc, ranks = start_a_hanging_session(inner)
+    proc.kill()
+    proc.wait(timeout=10)
+    wait_for(lambda: inner.leftovers() == [], 15, "the orphaned ranks to exit")
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks)

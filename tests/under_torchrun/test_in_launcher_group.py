@@ -1,0 +1,35 @@
+"""Collected only under torchrun (see tests/conftest.py): the plugin joins the launcher's group."""
+
+from __future__ import annotations
+
+import os
+
+from conformance import rank_fit
+from keras_dtensor_conformance.torchrun_pool import TorchrunPool
+from tests import torch_cells
+
+
+def test_pool_is_this_process(dist_ranks):
+    assert isinstance(dist_ranks, TorchrunPool)
+    assert dist_ranks.pids == [os.getpid()]
+    assert dist_ranks.nproc == int(os.environ["WORLD_SIZE"])
+
+
+def test_dtensor_cell_runs_on_every_launcher_rank(dist_ranks):
+    result = dist_ranks.run(torch_cells.sharded_matmul)
+    assert result.ok, result.story()
+    assert [v["rank"] for v in result.values] == list(range(dist_ranks.nproc))
+    assert len({v["pid"] for v in result.values}) == dist_ranks.nproc
+    assert all(v["max_error"] < 1e-5 for v in result.values)
+
+
+def test_exception_on_one_rank_reaches_every_rank(dist_ranks):
+    result = dist_ranks.run(torch_cells.raise_everywhere)
+    assert [o.status for o in result.outcomes] == ["error"] * dist_ranks.nproc
+
+
+def test_keras_model_parallel_fit(keras_ranks):
+    result = keras_ranks.run(rank_fit.fit_mlp, "colshard")
+    assert result.ok, result.story()
+    kernel = result.values[0]["variables"][0]
+    assert kernel["dtensor"] and kernel["placements"] == ["R", "S(1)"]
