@@ -99,3 +99,10 @@ class InnerSession:
 @pytest.fixture
 def inner(pytester: pytest.Pytester) -> InnerSession:
     return InnerSession(pytester)
+
+
+@pytest.fixture(scope="session")
+def references(conformance_state, keras_ranks):
+    from conformance.reference import References
+
+    return References(conformance_state.manager.reference())

@@ -2,25 +2,31 @@
 
 from __future__ import annotations
 
-from conformance import rank_fit
+from conformance import axes, rank_train
 from conformance.sharding import sharding_problems
+
+COLSHARD = axes.LAYOUTS["colshard"]
 
 
 def test_model_parallel_fit_shards_kernels_as_asked(keras_ranks):
-    result = keras_ranks.run(rank_fit.fit_mlp, "colshard")
+    spec = axes.cell_spec("mlp", "sgd", "arrays", "nojit", "colshard")
+    result = keras_ranks.run(rank_train.train, spec)
     assert result.ok, result.story()
     n = keras_ranks.nproc
     for value in result.values:
-        kernel = next(v for v in value["variables"] if v["path"].endswith("dense_a/kernel"))
+        fitted = value["stages"]["fit"]
+        kernel = next(v for v in fitted if v["path"].endswith("dense_a/kernel"))
         assert kernel["dtensor"], kernel
         assert kernel["placements"] == ["R", "S(1)"]
         assert kernel["local_shape"] == (8, 16 // n)
-        assert sharding_problems("colshard", value["variables"], n) == []
+        assert sharding_problems(COLSHARD, fitted, n) == []
 
 
 def test_sharding_check_notices_a_layout_that_matched_nothing(keras_ranks):
     """The LayoutMap pitfall: "dense.*kernel" (no leading ".*") silently shards nothing."""
-    result = keras_ranks.run(rank_fit.fit_mlp_with_layout_map, {"dense.*kernel": [None, "model"]})
+    spec = axes.cell_spec("mlp", "sgd", "arrays", "nojit", "colshard")
+    spec["layout"] = {"kind": "model-parallel", "map": {"dense.*kernel": [None, "model"]}}
+    result = keras_ranks.run(rank_train.train, spec)
     assert result.ok, result.story()
-    problems = sharding_problems("colshard", result.values[0]["variables"], keras_ranks.nproc)
+    problems = sharding_problems(COLSHARD, result.values[0]["stages"]["fit"], keras_ranks.nproc)
     assert len(problems) == 2 and all("a plain Parameter" in p for p in problems), problems

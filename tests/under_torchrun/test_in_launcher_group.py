@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from conformance import rank_fit
+from conformance import axes, rank_train
 from keras_dtensor_conformance.torchrun_pool import TorchrunPool
 from tests import torch_cells
 
@@ -29,7 +29,7 @@ def test_exception_on_one_rank_reaches_every_rank(dist_ranks):
 
 
 def test_keras_model_parallel_fit(keras_ranks):
-    result = keras_ranks.run(rank_fit.fit_mlp, "colshard")
+    result = keras_ranks.run(rank_train.train, axes.cell_spec("mlp", "sgd", "arrays", "nojit", "colshard"))
     assert result.ok, result.story()
-    kernel = result.values[0]["variables"][0]
+    kernel = result.values[0]["stages"]["fit"][0]
     assert kernel["dtensor"] and kernel["placements"] == ["R", "S(1)"]

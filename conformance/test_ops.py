@@ -1,0 +1,38 @@
+"""Op cells: keras.ops x operand kind x placement x compile mode, on DTensors (see rank_ops.py).
+
+A cell passes when the op runs on every rank, its value equals the same op on plain tensors,
+and, under torch.compile, dynamo really compiled it.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from conformance import rank_ops
+from keras_dtensor_conformance.verdicts import COMPILE_FALLBACK, NUMERICS, CellFailure, classify_failure
+
+
+def op_params() -> list:
+    params = []
+    for op, kind in rank_ops.OP_KINDS.items():
+        operands = [None] if kind == "unary" else [
+            o for o in rank_ops.OPERANDS if not (o == "scalar" and op in rank_ops.NO_SCALAR)
+        ]
+        for operand, placement, mode in itertools.product(operands, rank_ops.PLACEMENTS, rank_ops.OP_COMPILE):
+            cell = "-".join(p for p in (op, operand, placement, mode) if p)
+            params.append(pytest.param(op, operand, placement, mode, id=cell))
+    return params
+
+
+@pytest.mark.parametrize("op, operand, placement, compile_mode", op_params())
+def test_op(keras_ranks, op, operand, placement, compile_mode):
+    result = keras_ranks.run(rank_ops.op_cell, op, operand, placement, compile_mode)
+    if not result.ok:
+        raise CellFailure(*classify_failure(result))
+    for rank, value in enumerate(result.values):
+        if not value["match"]:
+            raise CellFailure(NUMERICS, f"rank {rank}: got {value['got']}, expected {value['expected']}")
+    if compile_mode == "compiled" and any(v["compiled_graphs"] == 0 for v in result.values):
+        raise CellFailure(COMPILE_FALLBACK, "torch.compile ran the op but torch._dynamo compiled no graph")

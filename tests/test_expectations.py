@@ -1,0 +1,75 @@
+"""--conformance-expect / --update-expectations: expected failures as data, like array-api-tests."""
+
+from __future__ import annotations
+
+import re
+
+CELLS = """
+import pytest
+from keras_dtensor_conformance.verdicts import CellFailure
+
+@pytest.mark.parametrize("cell", ["mixed", "fallback", "good", "changed"])
+def test_cell(cell):
+    if cell == "mixed":
+        raise CellFailure("mixed-tensor", "aten.sub.Tensor got mixed torch.Tensor and DTensor")
+    if cell == "fallback":
+        raise CellFailure("compile-fallback", "dynamo compiled no graph")
+    if cell == "changed":
+        raise CellFailure("numerics", "max abs difference 0.5")
+"""
+
+EXPECT = """# comment lines and blank lines are ignored
+
+test_cell[mixed]     mixed-tensor      the optimizer mixes a plain lr tensor into _foreach
+test_cell[good]      numerics          fixed since
+test_cell[changed]   sharding-lost     the kernel stays a Parameter
+test_cell[gone]      error             a cell that no longer exists
+"""
+
+
+def test_expected_failures_are_xfail_and_the_rest_is_reported(inner):
+    inner.pytester.makepyfile(CELLS)
+    inner.pytester.path.joinpath("expect.txt").write_text(EXPECT)
+    result = inner.run("--conformance-expect", "expect.txt", "-rxXf")
+    out = result.stdout
+    assert result.returncode == 1, out
+    assert "[mixed-tensor] the optimizer mixes a plain lr tensor" in out  # xfail with the file's reason
+    assert "XPASS" in out and "expected numerics: fixed since" in out
+    assert "expected sharding-lost (the kernel stays a Parameter), got numerics" in out
+    assert re.search(r"FAILED \S+::test_cell\[fallback\]", out)  # no expectation: a plain failure
+    assert "1 expectation entries match no collected cell" in out and "test_cell[gone]" in out
+    assert "2 failed, 1 xfailed, 1 xpassed" in out
+
+
+def test_strict_makes_an_unexpected_pass_fail(inner):
+    inner.pytester.makepyfile(CELLS)
+    inner.pytester.path.joinpath("expect.txt").write_text(EXPECT)
+    result = inner.run("--conformance-expect", "expect.txt", "--conformance-strict", "-k", "good")
+    assert result.returncode == 1
+    assert "[XPASS(strict)] expected numerics: fixed since" in result.stdout
+
+
+def test_update_writes_this_runs_verdicts_and_keeps_hand_written_reasons(inner):
+    inner.pytester.makepyfile(CELLS)
+    path = inner.pytester.path.joinpath("expect.txt")
+    path.write_text(EXPECT)
+    result = inner.run("--conformance-expect", "expect.txt", "--update-expectations", "expect.txt")
+    assert "expectations written to expect.txt" in result.stdout
+    lines = {line.split()[0]: line.split(None, 2)[1:] for line in path.read_text().splitlines()
+             if line and not line.startswith("#")}
+    assert lines["test_cell[mixed]"] == ["mixed-tensor", "the optimizer mixes a plain lr tensor into _foreach"]
+    assert lines["test_cell[fallback]"] == ["compile-fallback", "dynamo compiled no graph"]
+    assert lines["test_cell[changed]"] == ["numerics", "max abs difference 0.5"]
+    assert "test_cell[good]" not in lines  # it passes now
+    assert lines["test_cell[gone]"][0] == "error"  # not run here: kept
+    rerun = inner.run("--conformance-expect", "expect.txt", "-k", "not gone")
+    assert rerun.returncode == 0, rerun.stdout
+    assert "1 passed, 3 xfailed" in rerun.stdout
+
+
+def test_malformed_expectations_file_is_a_usage_error(inner):
+    inner.pytester.makepyfile(CELLS)
+    inner.pytester.path.joinpath("expect.txt").write_text("test_cell[mixed] not-a-verdict why\n")
+    result = inner.run("--conformance-expect", "expect.txt")
+    assert result.returncode == 4
+    assert "expect.txt:1: expected 'cell-id verdict reason'" in result.stdout + result.stderr
