@@ -116,6 +116,16 @@ def test_state_does_not_leak_between_cells(dist_ranks):
     assert seen == fresh  # the same seeds: the same first random number
 
 
+def test_process_groups_a_cell_creates_do_not_pile_up(dist_ranks):
+    """Each DeviceMesh makes subgroups with threads of their own; the reset between cells frees them."""
+    baseline = dist_ranks.run(torch_cells.threads_and_groups).values
+    during = [dist_ranks.run(torch_cells.build_2d_mesh).values for _ in range(5)]
+    after = dist_ranks.run(torch_cells.threads_and_groups).values
+    assert all(groups > 1 for values in during for _, groups in values)  # the cell did make groups
+    assert during[0] == during[-1]  # and they did not accumulate
+    assert after == baseline
+
+
 def test_hung_rank_children_are_killed_with_it(dist_ranks):
     token = uuid.uuid4().hex
     result = dist_ranks.run(torch_cells.spawn_child_and_wait, 60, token, timeout=5)

@@ -105,3 +105,16 @@ def spawn_child_and_wait(seconds: float, token: str) -> int:
     child = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep(600)  # {token}"])
     time.sleep(seconds)
     return child.pid
+
+
+def build_2d_mesh() -> tuple[int, int]:
+    """A (1, world) mesh, as every training cell makes: torch creates a subgroup per dimension."""
+    ctx = rank_context.current()
+    init_device_mesh("cpu", (1, ctx.world_size), mesh_dim_names=("batch", "model"))
+    return threads_and_groups()
+
+
+def threads_and_groups() -> tuple[int, int]:
+    from torch.distributed import distributed_c10d as c10d
+
+    return len(os.listdir(f"/proc/{os.getpid()}/task")), len(c10d._world.pg_map)
