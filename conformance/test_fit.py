@@ -20,7 +20,7 @@ from keras_dtensor_conformance.verdicts import (
     NUMERICS,
     SHARDING_LOST,
     CellFailure,
-    classify_failure,
+    fail,
 )
 
 
@@ -33,7 +33,7 @@ def skip_if_not_in_build(result) -> None:
 def judge(spec: dict, result, reference, nproc: int) -> None:
     """Raise ``CellFailure`` with the cell's verdict, or return when the cell passes."""
     if not result.ok:
-        raise CellFailure(*classify_failure(result))
+        fail(result)
     values = result.values
     problems = []
     for rank, value in enumerate(values):
@@ -41,15 +41,15 @@ def judge(spec: dict, result, reference, nproc: int) -> None:
             problems += sharding_problems(spec["layout"], variables, nproc, f"rank {rank} after {stage}: ")
         problems += sharding_problems(spec["layout"], value["slots"], nproc, f"rank {rank} optimizer slot ")
     if problems:
-        raise CellFailure(SHARDING_LOST, "\n".join(problems))
+        raise CellFailure(SHARDING_LOST, "\n".join(problems), result)
     if not reference.ok:
-        raise CellFailure(ERROR, "the single-process reference failed:\n" + reference.story())
+        raise CellFailure(ERROR, "the single-process reference failed:\n" + reference.story(), reference)
     problems = numerics_problems(values, reference.values[0])
     if problems:
-        raise CellFailure(NUMERICS, "\n".join(problems))
+        raise CellFailure(NUMERICS, "\n".join(problems), result)
     if spec["compile"] == "jit" and any(v["compiled_graphs"] == 0 for v in values):
         said = "; ".join(dict.fromkeys(w for v in values for w in v["warnings"])) or "no warning"
-        raise CellFailure(COMPILE_FALLBACK, f"jit_compile=True but torch._dynamo compiled no graph ({said})")
+        raise CellFailure(COMPILE_FALLBACK, f"jit_compile=True but torch._dynamo compiled no graph ({said})", result)
 
 
 def test_fit(training_cell, keras_ranks, references):

@@ -11,7 +11,7 @@ import itertools
 import pytest
 
 from conformance import rank_ops
-from keras_dtensor_conformance.verdicts import COMPILE_FALLBACK, NUMERICS, CellFailure, classify_failure
+from keras_dtensor_conformance.verdicts import COMPILE_FALLBACK, NUMERICS, CellFailure, fail
 
 
 def op_params() -> list:
@@ -22,7 +22,11 @@ def op_params() -> list:
         ]
         for operand, placement, mode in itertools.product(operands, rank_ops.PLACEMENTS, rank_ops.OP_COMPILE):
             cell = "-".join(p for p in (op, operand, placement, mode) if p)
-            params.append(pytest.param(op, operand, placement, mode, id=cell))
+            mark = pytest.mark.cell(
+                family=f"ops {mode}", row=op, column=f"{operand or 'unary'}/{placement}",
+                op=op, operand=operand or "none", placement=placement, compile=mode,
+            )
+            params.append(pytest.param(op, operand, placement, mode, id=cell, marks=mark))
     return params
 
 
@@ -30,9 +34,9 @@ def op_params() -> list:
 def test_op(keras_ranks, op, operand, placement, compile_mode):
     result = keras_ranks.run(rank_ops.op_cell, op, operand, placement, compile_mode)
     if not result.ok:
-        raise CellFailure(*classify_failure(result))
+        fail(result)
     for rank, value in enumerate(result.values):
         if not value["match"]:
-            raise CellFailure(NUMERICS, f"rank {rank}: got {value['got']}, expected {value['expected']}")
+            raise CellFailure(NUMERICS, f"rank {rank}: got {value['got']}, expected {value['expected']}", result)
     if compile_mode == "compiled" and any(v["compiled_graphs"] == 0 for v in result.values):
-        raise CellFailure(COMPILE_FALLBACK, "torch.compile ran the op but torch._dynamo compiled no graph")
+        raise CellFailure(COMPILE_FALLBACK, "torch.compile ran the op but torch._dynamo compiled no graph", result)

@@ -1,0 +1,121 @@
+"""The conformance report: terminal grid, JSON, Markdown, HTML (checked in a real headless
+Chromium), junitxml properties, and the comparison of two runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import xml.etree.ElementTree as ET
+
+import pytest
+
+CELLS = """
+import os
+import pytest
+from keras_dtensor_conformance.verdicts import CellFailure
+
+BROKEN = set(os.environ.get("BROKEN_CELLS", "").split(","))
+VERDICT = {"adam": "mixed-tensor", "sgd": "compile-fallback", "lion": "numerics"}
+
+@pytest.mark.parametrize("opt", ["adam", "sgd", "lion"])
+@pytest.mark.parametrize("data", ["arrays", "dataloader"])
+def test_fit(opt, data, request):
+    request.node.add_marker(pytest.mark.cell(family="fit colshard", row=opt, column=data + "/nojit",
+                                             optimizer=opt, data=data))
+    if f"{opt}-{data}" in BROKEN:
+        raise CellFailure(VERDICT[opt], f"{opt} broke on {data}")
+"""
+
+
+def run(inner, *args, broken=""):
+    inner.pytester.makepyfile(test_cells=CELLS)
+    env = inner.env()
+    env["BROKEN_CELLS"] = broken
+    return subprocess.run(inner.command(*args), cwd=inner.pytester.path, env=env, capture_output=True, text=True)
+
+
+def test_grid_counts_and_files(inner):
+    result = run(inner, "--conformance-json", "r.json", "--conformance-md", "r.md", "--conformance-html", "r.html",
+                 "--junitxml", "j.xml", broken="adam-dataloader,sgd-arrays")
+    out = result.stdout
+    assert result.returncode == 1, out
+    assert "keras-dtensor-conformance report" in out and "M mixed-tensor" in out
+    section = out[out.index("keras-dtensor-conformance report"):]
+    grid = section[section.index("fit colshard"):].splitlines()
+    assert grid[1].split() == ["arrays", "dataloader"]
+    assert grid[3].split() == ["adam", ".", "M"]
+    assert grid[4].split() == ["sgd", "F", "."]
+    assert "6 cells: 1 compile-fallback, 1 mixed-tensor, 4 pass (2 failed, 4 passed)" in out
+
+    report = json.loads((inner.pytester.path / "r.json").read_text())
+    assert report["schema"] == "keras-dtensor-conformance/report" and report["version"] == 1
+    assert report["build"]["nproc"] == 2 and report["build"]["keras_version"]
+    cell = next(c for c in report["cells"] if c["id"] == "test_fit[dataloader-adam]")
+    assert cell["axes"] == {"optimizer": "adam", "data": "dataloader"}
+    assert (cell["verdict"], cell["outcome"], cell["message"]) == ("mixed-tensor", "failed", "adam broke on dataloader")
+    assert report["summary"]["verdicts"] == {"compile-fallback": 1, "mixed-tensor": 1, "pass": 4}
+
+    md = (inner.pytester.path / "r.md").read_text()
+    assert "### fit colshard" in md and "adam" in md and "| `test_fit[dataloader-adam]` | mixed-tensor |" in md
+
+    junit = ET.parse(inner.pytester.path / "j.xml")
+    case = next(c for c in junit.iter("testcase") if c.get("name") == "test_fit[dataloader-adam]")
+    props = {p.get("name"): p.get("value") for p in case.iter("property")}
+    assert props == {"optimizer": "adam", "data": "dataloader", "verdict": "mixed-tensor"}
+
+
+def test_quiet_keeps_the_report_to_its_counts(inner):
+    out = run(inner, "-q", broken="lion-arrays").stdout
+    section = out[out.index("keras-dtensor-conformance report"):]
+    assert "6 cells: 1 numerics, 5 pass" in section
+    assert "fit colshard" not in section and "slowest cells" not in section
+
+
+def test_compare_reports_regressions_fixes_and_changes(inner):
+    run(inner, "--conformance-json", "old.json", broken="adam-arrays,sgd-arrays")
+    inner.pytester.path.joinpath("expect.txt").write_text(
+        "test_fit[dataloader-lion]  numerics  known\ntest_fit[arrays-sgd]  compile-fallback  known\n"
+    )
+    args = ("--conformance-compare", "old.json", "--conformance-json", "new.json", "--conformance-expect", "expect.txt")
+    # adam-arrays fixed, lion-dataloader regresses (but is expected, so the session still passes)
+    result = run(inner, *args, broken="sgd-arrays,lion-dataloader")
+    assert result.returncode == 0, result.stdout
+    assert "1 regressions, 1 fixes, 0 changed verdicts" in result.stdout
+    assert "REGRESSION test_fit[dataloader-lion]: pass -> numerics" in result.stdout
+    assert "FIXED test_fit[arrays-adam]: mixed-tensor -> pass" in result.stdout
+    compare = json.loads(inner.pytester.path.joinpath("new.json").read_text())["compare"]
+    assert [e["id"] for e in compare["regressions"]] == ["test_fit[dataloader-lion]"]
+    strict = run(inner, *args, "--conformance-fail-on-regression", broken="sgd-arrays,lion-dataloader")
+    assert strict.returncode == 1
+
+
+def chromium() -> str:
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found is None:
+        if os.environ.get("CI"):
+            pytest.fail("Chromium is needed for the HTML report test (.ci/run installs Debian's chromium)")
+        pytest.skip("Chromium is not installed (apt-get install chromium)")
+    return found
+
+
+def test_html_renders_in_a_real_browser_and_matches_the_json(inner, tmp_path):
+    browser = chromium()
+    run(inner, "--conformance-json", "r.json", "--conformance-html", "r.html", broken="adam-dataloader,lion-arrays")
+    page = inner.pytester.path / "r.html"
+    assert "http://" not in page.read_text() and "https://" not in page.read_text()  # self-contained
+    dom = subprocess.run(
+        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=5000", "--dump-dom", page.as_uri()],
+        capture_output=True, text=True, timeout=120,
+    ).stdout
+    assert 'data-rendered="yes"' in dom, dom[-2000:]
+    report = json.loads((inner.pytester.path / "r.json").read_text())
+    shown = {m.group(1): int(m.group(2)) for m in re.finditer(r'data-verdict="([\w-]+)">(\d+) ', dom)}
+    assert shown.pop("cells") == len(report["cells"])
+    assert shown == report["summary"]["verdicts"]
+    assert len(re.findall(r'<td class="cell [^"]*" data-i="\d+"', dom)) == len(report["cells"])
+    assert 'class="cell v-mixed-tensor o-failed"' in dom
