@@ -1,0 +1,61 @@
+"""The GitHub Actions workflows, checked offline: schema, security audit, and README agreement."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import shutil
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+WORKFLOWS = sorted((ROOT / ".github" / "workflows").glob("*.yml"))
+
+
+def tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} is not installed: pip install -e '.[test]'")
+    return path
+
+
+@pytest.mark.parametrize("workflow", WORKFLOWS, ids=[w.name for w in WORKFLOWS])
+def test_workflow_matches_github_schema(workflow):
+    result = subprocess.run([tool("check-jsonschema"), "--builtin-schema", "vendor.github-workflows", str(workflow)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_zizmor_finds_nothing_of_high_severity():
+    result = subprocess.run([tool("zizmor"), "--offline", "--format", "json", str(ROOT / ".github" / "workflows")],
+                            capture_output=True, text=True)
+    findings = json.loads(result.stdout)
+    high = [f"{f['ident']}: {f['desc']}" for f in findings if f["determinations"]["severity"] == "High"]
+    assert high == []
+
+
+def workflow_commands() -> list[str]:
+    """Command lines of the workflows' run: blocks that start the suite or CI."""
+    commands = []
+    for workflow in WORKFLOWS:
+        for line in workflow.read_text().splitlines():
+            line = line.strip().removeprefix("run:").strip()
+            if re.match(r"(pytest|bash \.ci/run)\b", line):
+                commands.append(line)
+    return commands
+
+
+def test_workflows_run_the_commands_readme_documents():
+    commands = workflow_commands()
+    assert any(c.startswith("pytest --nproc") for c in commands) and "bash .ci/run" in commands
+    readme = (ROOT / "README.md").read_text()
+    assert [c for c in commands if c not in readme] == []
+
+
+def test_reusable_workflow_can_be_called():
+    text = (ROOT / ".github" / "workflows" / "keras-conformance.yml").read_text()
+    assert "workflow_call:" in text
+    caller = (ROOT / ".github" / "workflows" / "conformance.yml").read_text()
+    assert "uses: ./.github/workflows/keras-conformance.yml" in caller
