@@ -83,6 +83,8 @@ LAYOUTS = {
     "rowshard": {"kind": "model-parallel", "map": _ROW},
     "replicated": {"kind": "model-parallel", "map": {}},
     "batchxmodel": {"kind": "model-parallel", "map": _COLUMN, "mesh": [2, 2]},
+    # Every rank on the batch axis: input batches are DTensors sharded over a mesh axis > 1.
+    "batchshard": {"kind": "model-parallel", "map": _COLUMN, "mesh": ["nproc", 1]},
     "dataparallel": {"kind": "data-parallel"},
 }
 

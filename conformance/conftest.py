@@ -26,7 +26,7 @@ def training_params(full: bool) -> list:
             model=model, optimizer=optimizer, data=data, compile=compile_mode, layout=layout_name,
         )]
         layout = axes.LAYOUTS[layout_name]
-        if "mesh" in layout:
+        if "nproc" not in layout.get("mesh", ("nproc",)):
             marks.append(pytest.mark.mesh(*layout["mesh"]))
         params.append(pytest.param(coords, id=axes.cell_id(*coords), marks=marks))
     return params

@@ -178,7 +178,7 @@ def make_distribution(layout: dict):
         mesh = keras.distribution.DeviceMesh((ctx.world_size,), ["batch"], devices)
         distribution = keras.distribution.DataParallel(device_mesh=mesh)
     else:
-        shape = tuple(layout["mesh"]) if "mesh" in layout else (1, ctx.world_size)
+        shape = tuple(ctx.world_size if d == "nproc" else d for d in layout.get("mesh", (1, "nproc")))
         mesh = keras.distribution.DeviceMesh(shape, ["batch", "model"], devices)
         layout_map = keras.distribution.LayoutMap(mesh)
         for key, axes in layout["map"].items():

@@ -14,7 +14,8 @@ MESH_AXES = ("batch", "model")
 
 
 def mesh_shape(layout: dict, nproc: int) -> tuple[int, ...]:
-    return tuple(layout.get("mesh", (1, nproc)))
+    """The (batch, model) mesh of a layout; "nproc" stands for the number of ranks."""
+    return tuple(nproc if d == "nproc" else d for d in layout.get("mesh", (1, "nproc")))
 
 
 def intended(layout: dict, path: str, shape: tuple, nproc: int) -> tuple[list[str], tuple] | None:

@@ -106,3 +106,16 @@ def references(conformance_state, keras_ranks):
     from conformance.reference import References
 
     return References(conformance_state.manager.reference())
+
+
+def pytest_addoption(parser):
+    parser.addoption("--mutants-tier", choices=("small", "default"), default="small",
+                     help="cells each mutant build runs: a small tier (default) or the whole default tier.")
+
+
+def pytest_terminal_summary(terminalreporter):
+    from tests.test_mutants import mutation_score
+
+    score = mutation_score()
+    if score:
+        terminalreporter.write_sep("=", score)

@@ -126,6 +126,15 @@ def test_process_groups_a_cell_creates_do_not_pile_up(dist_ranks):
     assert after == baseline
 
 
+def test_dtensor_caches_do_not_carry_a_mesh_into_the_next_cell(dist_ranks):
+    """DTensor's sharding-propagation cache would hand a later cell the earlier cell's mesh, whose
+    groups the reset destroyed; the reset clears that cache too."""
+    for _ in range(3):
+        result = dist_ranks.run(torch_cells.mesh_op_then_collective)
+        assert result.ok, result.story()
+        assert result.values == [48.0] * dist_ranks.nproc
+
+
 def test_hung_rank_children_are_killed_with_it(dist_ranks):
     token = uuid.uuid4().hex
     result = dist_ranks.run(torch_cells.spawn_child_and_wait, 60, token, timeout=5)

@@ -118,3 +118,15 @@ def threads_and_groups() -> tuple[int, int]:
     from torch.distributed import distributed_c10d as c10d
 
     return len(os.listdir(f"/proc/{os.getpid()}/task")), len(c10d._world.pg_map)
+
+
+def mesh_op_then_collective() -> float:
+    """A fresh (1, world) mesh, a DTensor op (sharding propagation caches its output spec), then a
+    collective on the result: in a later call, a stale cached spec would point at a dead group."""
+    ctx = rank_context.current()
+    mesh = init_device_mesh("cpu", (1, ctx.world_size), mesh_dim_names=("batch", "model"))
+    x = distribute_tensor(torch.ones(4, 4), mesh, [Replicate(), Shard(0)])
+    y = x * 2
+    # Replicate on mesh dim 0 broadcasts over that dim's group: a per-rank subgroup (size-1 dim).
+    z = distribute_tensor(torch.ones(4, 4), y.device_mesh, [Replicate(), Shard(0)])
+    return float((y + z).full_tensor().sum())

@@ -1,0 +1,210 @@
+"""The mutation kit: patched copies of a Keras build, each imitating a real bug.
+
+A mutant is the default build (an unpacked keras-nightly wheel) with a few exact text
+replacements. Every replacement must match exactly once, so a mutant that no longer
+applies to a new build fails loudly instead of silently testing the unmodified build.
+The copy is made of hard links except for the patched files, so writing one costs
+milliseconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    path: str  # relative to the tree root, e.g. "keras/src/optimizers/base_optimizer.py"
+    old: str
+    new: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    name: str
+    imitates: str  # the real bug it stands for
+    patches: tuple[Patch, ...]
+
+
+def write_mutant(source_tree: str, dest: str, mutant: Mutant) -> str:
+    """Copy ``source_tree`` to ``dest`` (hard links) and apply the mutant's patches there."""
+    if os.path.exists(dest):
+        shutil.rmtree(dest)
+    shutil.copytree(source_tree, dest, copy_function=os.link, ignore=shutil.ignore_patterns("__pycache__"))
+    for patch in mutant.patches:
+        target = os.path.join(dest, patch.path)
+        with open(target, encoding="utf-8") as f:
+            text = f.read()
+        count = text.count(patch.old)
+        if count != 1:
+            raise ValueError(f"mutant {mutant.name}: {patch.path} has {count} matches for {patch.old!r}, not 1")
+        os.unlink(target)  # break the hard link: the source tree stays unmodified
+        with open(target, "w", encoding="utf-8") as f:
+            f.write(text.replace(patch.old, patch.new))
+    return dest
+
+
+SLOW_OPTIMIZER = Mutant(
+    name="slow-optimizer-update",
+    imitates="a step-time regression: extra host work in every optimizer update",
+    patches=(
+        Patch(
+            "keras/src/optimizers/base_optimizer.py",
+            "        if len(grads) == 0:\n            # It is possible that the grad is empty. In this case,\n",
+            "        __import__(\"time\").sleep(0.1)  # mutant: 100 ms of host work per update\n"
+            "        if len(grads) == 0:\n            # It is possible that the grad is empty. In this case,\n",
+        ),
+    ),
+)
+
+
+# ------------------------------------------------------------------ the bug-imitating mutants
+TORCH = "keras/src/backend/torch/"
+
+#: The small tier every mutant runs (exact pytest node ids); the expected changes below are
+#: relative to the unmutated build, on which every one of these cells passes.
+TIER = (
+    "conformance/test_fit.py::test_fit[sgd-arrays-nojit-colshard]",
+    "conformance/test_fit.py::test_fit[adam-arrays-nojit-colshard]",
+    "conformance/test_fit.py::test_fit[adam-dataloader-nojit-rowshard]",
+    "conformance/test_fit.py::test_fit[adam-arrays-nojit-replicated]",
+    "conformance/test_fit.py::test_fit[adam-arrays-nojit-batchshard]",
+    "conformance/test_fit.py::test_fit[adam-arrays-nojit-dataparallel]",
+    "conformance/test_fit.py::test_fit[sgd-arrays-jit-dataparallel]",
+    "conformance/test_ops.py::test_op[subtract-tensor-shard1-eager]",
+    "conformance/test_ops.py::test_op[matmul-tensor-first-shard0-eager]",
+    "conformance/test_ops.py::test_op[add-scalar-shard0-eager]",
+    "conformance/test_ops.py::test_op[relu-shard0-eager]",
+    "conformance/test_setup.py::test_setup[list-devices]",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """A mutant, the tier it runs, and the verdict each cell of that tier must get."""
+
+    mutant: Mutant
+    expected: dict  # cell name -> verdict; every other cell of the tier must pass
+    tier: tuple[str, ...] = TIER
+    #: --rank-timeout for the run: short only where a hang is the expected verdict (a real
+    #: inductor compile of a jit cell can take longer than that on 2 busy cores).
+    rank_timeout: int = 300
+
+    def verdict(self, cell: str) -> str:
+        return self.expected.get(cell, "pass")
+
+
+_SHARDED = ("sgd-arrays-nojit-colshard", "adam-arrays-nojit-colshard", "adam-dataloader-nojit-rowshard",
+            "adam-arrays-nojit-batchshard")
+_FIT = (*_SHARDED, "adam-arrays-nojit-replicated", "adam-arrays-nojit-dataparallel", "sgd-arrays-jit-dataparallel")
+
+
+def _ids(*names: str) -> list[str]:
+    return [f"test_fit[{n}]" if "-arrays-" in n or "-dataloader-" in n else n for n in names]
+
+
+CASES = (
+    Case(
+        Mutant(
+            "promotion-off",
+            "set_distribution never enters KerasDTensorPromotionMode: ops mixing DTensors and plain tensors",
+            (Patch(TORCH + "ops/core.py",
+                   "    if _get_dtensor_promotion_mode() is None:\n        KerasDTensorPromotionMode().__enter__()\n",
+                   "    return  # mutant: the promotion dispatch mode is never entered\n"),),
+        ),
+        {**{c: "mixed-tensor" for c in _ids(*_SHARDED, "adam-arrays-nojit-replicated")},
+         "test_op[subtract-tensor-shard1-eager]": "mixed-tensor",
+         "test_op[matmul-tensor-first-shard0-eager]": "mixed-tensor"},
+    ),
+    Case(
+        Mutant(
+            "foreach-plain-lr",
+            "an optimizer's torch._foreach_* update mixes a plain learning-rate tensor into DTensor weights "
+            "(the promotion mode does not see _foreach_ ops)",
+            (Patch(TORCH + "ops/core.py",
+                   "        if kwargs is None:\n            kwargs = {}\n\n        flat_args",
+                   "        if kwargs is None:\n            kwargs = {}\n"
+                   "        if \"_foreach_\" in str(func):  # mutant: optimizer updates are not promoted\n"
+                   "            return func(*args, **kwargs)\n\n        flat_args"),),
+        ),
+        # Replicated too: under ModelParallel the inputs are DTensors, so the gradients of the
+        # plain Parameters come out DTensors, and the unpromoted update mixes them with the weights.
+        {c: "mixed-tensor" for c in _ids(*_SHARDED, "adam-arrays-nojit-replicated")},
+    ),
+    Case(
+        Mutant(
+            "batch-wrong-placement",
+            "input batches made DTensors sharded on the feature axis instead of the batch axis",
+            (Patch(TORCH + "distribution_lib.py",
+                   "    return torch_distributed_tensor.DTensor.from_local(\n        per_process_batch,\n"
+                   "        device_mesh=layout.device_mesh,\n        placements=layout.placements,\n",
+                   "    return torch_distributed_tensor.DTensor.from_local(\n        per_process_batch,\n"
+                   "        device_mesh=layout.device_mesh,\n        placements=[  # mutant: batch sharded on dim 1\n"
+                   "            torch_distributed_tensor.Shard(1) if isinstance(p, torch_distributed_tensor.Shard) else p\n"
+                   "            for p in layout.placements\n        ],\n"),),
+        ),
+        {"test_fit[adam-arrays-nojit-batchshard]": "error"},
+    ),
+    Case(
+        Mutant(
+            "variables-replicated",
+            "variables created as plain replicated Parameters whatever the LayoutMap says",
+            (Patch(TORCH + "ops/core.py",
+                   "        dist = distribution()\n        if dist is None:\n            return None\n",
+                   "        dist = distribution()\n        if True:  # mutant: never distribute a variable\n"
+                   "            return None\n"),),
+        ),
+        {c: "sharding-lost" for c in _ids(*_SHARDED)},
+    ),
+    Case(
+        Mutant(
+            "slots-plain",
+            "optimizer slots created as plain tensors, ignoring their variable's layout",
+            (Patch("keras/src/optimizers/base_optimizer.py",
+                   "            layout=getattr(reference_variable, \"_layout\", None),\n",
+                   "            layout=None,  # mutant: slots never sharded\n"),),
+        ),
+        {c: "sharding-lost" for c in _ids("adam-arrays-nojit-colshard", "adam-dataloader-nojit-rowshard",
+                                          "adam-arrays-nojit-batchshard")},
+    ),
+    Case(
+        Mutant(
+            "grad-scale-one-rank",
+            "a gradient scaled twice on rank 1 only (a wrong reduction or scale on one rank)",
+            (Patch(TORCH + "trainer.py",
+                   "            # Update weights\n            with torch.no_grad():\n",
+                   "            # Update weights\n"
+                   "            if torch.distributed.is_initialized() and torch.distributed.get_rank() == 1:\n"
+                   "                gradients = [None if g is None else g * 2 for g in gradients]  # mutant\n"
+                   "            with torch.no_grad():\n"),),
+        ),
+        {c: "numerics" for c in _ids(*_FIT)},
+    ),
+    Case(
+        Mutant(
+            "rank0-waits",
+            "rank 0 waits in a communication the other ranks never enter (as a rank-0-only collective does)",
+            (Patch(TORCH + "trainer.py",
+                   "            # Update weights\n            with torch.no_grad():\n",
+                   "            # Update weights\n"
+                   "            if torch.distributed.is_initialized() and torch.distributed.get_rank() == 0:\n"
+                   "                torch.distributed.recv(torch.zeros(1), src=1)  # mutant: never sent\n"
+                   "            with torch.no_grad():\n"),),
+        ),
+        {"test_fit[sgd-arrays-nojit-colshard]": "hang"},
+        tier=(TIER[0], TIER[-2], TIER[-1]),
+        rank_timeout=20,
+    ),
+    Case(
+        Mutant(
+            "jit-disabled",
+            "jit_compile=True silently runs eagerly (also where compiling works, under DataParallel)",
+            (Patch(TORCH + "trainer.py",
+                   "    def _use_torch_compile(self):\n        if self.run_eagerly or not self.jit_compile:\n",
+                   "    def _use_torch_compile(self):\n        if True:  # mutant: never compile\n"),),
+        ),
+        {"test_fit[sgd-arrays-jit-dataparallel]": "compile-fallback"},
+    ),
+)
