@@ -119,3 +119,22 @@ def test_html_renders_in_a_real_browser_and_matches_the_json(inner, tmp_path):
     assert shown == report["summary"]["verdicts"]
     assert len(re.findall(r'<td class="cell [^"]*" data-i="\d+"', dom)) == len(report["cells"])
     assert 'class="cell v-mixed-tensor o-failed"' in dom
+
+
+def test_a_cell_whose_setup_fails_is_an_error_not_a_skip(inner):
+    inner.pytester.makepyfile(test_cells="""
+import pytest
+
+@pytest.fixture
+def broken_ranks():
+    raise RuntimeError("the ranks could not start")
+
+@pytest.mark.cell(family="fit colshard", row="adam", column="arrays/nojit", optimizer="adam")
+def test_fit(broken_ranks):
+    pass
+""")
+    result = inner.run("--conformance-json", "r.json")
+    report = json.loads((inner.pytester.path / "r.json").read_text())
+    (cell,) = report["cells"]
+    assert (cell["verdict"], cell["outcome"]) == ("error", "failed"), result.stdout
+    assert "the ranks could not start" in cell["message"]
