@@ -66,8 +66,6 @@ def assign_partial() -> dict:
 
 def uneven_sharding() -> dict:
     """A Dense of 5 units column-sharded over 2 (or 4) ranks: shards of unequal width."""
-    import keras
-
     model, x = _fit_mlp(units=5)
     weights = model.get_weights()
     hidden = x @ weights[0] + weights[1]
@@ -170,7 +168,8 @@ def save_and_load(fmt: str) -> dict:
                                    keras.layers.Dense(4, name="dense_b")])
         loaded.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
         loaded.load_weights(path)
-    same = all(np.allclose(a, b) for a, b in zip(before, loaded.get_weights()))
+    after = loaded.get_weights()
+    same = len(before) == len(after) and all(np.allclose(a, b) for a, b in zip(before, after, strict=True))
     kernel_after_load = _kernel(loaded)
     _, y, _ = rank_train.make_arrays("mlp")
     loaded.fit(x, y, batch_size=rank_train.BATCH, shuffle=False, epochs=1, verbose=0)

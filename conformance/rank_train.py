@@ -111,7 +111,7 @@ def fit_inputs(source: str, x, y, w) -> tuple[tuple, dict]:
     if source == "grain":
         import grain
 
-        ds = grain.MapDataset.source(list(zip(x, y))).batch(BATCH)
+        ds = grain.MapDataset.source(list(zip(x, y, strict=True))).batch(BATCH)
         return (ds,), {}
     raise ValueError(f"unknown data source {source!r}")
 
@@ -260,7 +260,7 @@ def train(spec: dict, distributed: bool = True) -> dict:
         "epoch_loss": [float(v) for v in history.history["loss"]],
         "evaluate": float(evaluation if np.isscalar(evaluation) else evaluation[0]),
         "predict": np.asarray(prediction),
-        "weights": {v.path: np.asarray(w) for v, w in zip(model.weights, model.get_weights())},
+        "weights": {v.path: np.asarray(w) for v, w in zip(model.weights, model.get_weights(), strict=True)},
         "stages": stages,
         "slots": slots,
         "compiled_graphs": after["unique_graphs"] - before["unique_graphs"],

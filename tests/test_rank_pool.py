@@ -58,7 +58,7 @@ def test_exception_on_one_rank_fails_with_every_ranks_story(dist_ranks):
     story = result.story()
     assert "rank 0" in story and "rank 1" in story and "deliberate failure" in story
     with pytest.raises(RankFailure, match="deliberate failure on rank 1"):
-        result.values
+        _ = result.values
     assert_pool_works(dist_ranks)
 
 
