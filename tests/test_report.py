@@ -42,7 +42,7 @@ def test_grid_counts_and_files(inner):
                  "--junitxml", "j.xml", broken="adam-dataloader,sgd-arrays")
     out = result.stdout
     assert result.returncode == 1, out
-    assert "keras-dtensor-conformance report" in out and "M mixed-tensor" in out
+    assert "keras-dtensor-conformance report" in out and "M=mixed-tensor" in out
     section = out[out.index("keras-dtensor-conformance report"):]
     grid = section[section.index("fit colshard"):].splitlines()
     assert grid[1].split() == ["arrays", "dataloader"]
