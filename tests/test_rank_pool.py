@@ -122,8 +122,13 @@ def test_process_groups_a_cell_creates_do_not_pile_up(dist_ranks):
     during = [dist_ranks.run(torch_cells.build_2d_mesh).values for _ in range(5)]
     after = dist_ranks.run(torch_cells.threads_and_groups).values
     assert all(groups > 1 for values in during for _, groups in values)  # the cell did make groups
-    assert during[0] == during[-1]  # and they did not accumulate
-    assert after == baseline
+    # Groups return exactly; threads within a slack of 2 for transient ones (a gloo thread winding
+    # down). The leak this guards against added 3 threads per mesh: 15 over these five calls.
+    assert [g for _, g in during[0]] == [g for _, g in during[-1]]
+    assert [g for _, g in after] == [g for _, g in baseline]
+    for rank in range(dist_ranks.nproc):
+        assert during[-1][rank][0] <= during[0][rank][0] + 2, during
+        assert after[rank][0] <= baseline[rank][0] + 2, (after, baseline)
 
 
 def test_dtensor_caches_do_not_carry_a_mesh_into_the_next_cell(dist_ranks):
