@@ -11,7 +11,7 @@ import itertools
 import pytest
 
 from conformance import rank_ops
-from keras_dtensor_conformance.verdicts import COMPILE_FALLBACK, NUMERICS, CellFailure, fail
+from conformance.judge import judge_op
 
 
 def op_params() -> list:
@@ -32,11 +32,4 @@ def op_params() -> list:
 
 @pytest.mark.parametrize("op, operand, placement, compile_mode", op_params())
 def test_op(keras_ranks, op, operand, placement, compile_mode):
-    result = keras_ranks.run(rank_ops.op_cell, op, operand, placement, compile_mode)
-    if not result.ok:
-        fail(result)
-    for rank, value in enumerate(result.values):
-        if not value["match"]:
-            raise CellFailure(NUMERICS, f"rank {rank}: got {value['got']}, expected {value['expected']}", result)
-    if compile_mode == "compiled" and any(v["compiled_graphs"] == 0 for v in result.values):
-        raise CellFailure(COMPILE_FALLBACK, "torch.compile ran the op but torch._dynamo compiled no graph", result)
+    judge_op(compile_mode, keras_ranks.run(rank_ops.op_cell, op, operand, placement, compile_mode))

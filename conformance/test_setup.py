@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conformance import rank_setup
-from keras_dtensor_conformance.verdicts import fail
+from conformance.judge import judge_setup
 
 
 SETUP_PARAMS = [
@@ -17,6 +17,4 @@ SETUP_PARAMS = [
 
 @pytest.mark.parametrize("entry", SETUP_PARAMS)
 def test_setup(keras_ranks, entry):
-    result = keras_ranks.run(getattr(rank_setup, entry))
-    if not result.ok:
-        fail(result)
+    judge_setup(keras_ranks.run(getattr(rank_setup, entry)))

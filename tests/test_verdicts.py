@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 
 from conformance import axes, rank_train
-from conformance.test_fit import judge
+from conformance.judge import judge_fit
 from keras_dtensor_conformance.verdicts import (
     COMPILE_FALLBACK,
     CRASH_VERDICT,
@@ -22,7 +22,7 @@ from tests import torch_cells, verdict_cells
 
 def verdict(spec, result, reference, nproc) -> str:
     try:
-        judge(spec, result, reference, nproc)
+        judge_fit(spec, result, reference, nproc)
     except CellFailure as failure:
         return failure.verdict
     return "pass"
