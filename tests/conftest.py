@@ -54,6 +54,19 @@ def keras_nightly_tree(pytestconfig) -> str:
     return unpacked_wheel(pytestconfig, KERAS_NIGHTLY)
 
 
+def alive(proc: psutil.Process) -> bool:
+    """Still running: neither gone, nor a zombie or dead entry waiting to be reaped.
+
+    A process in the middle of exiting may already hide its environment (psutil raises or
+    returns nothing), so ``tagged_processes`` no longer sees it while it still runs: a test that
+    knows its ranks' processes must wait for them by this, not only for the tag scan.
+    """
+    try:
+        return proc.is_running() and proc.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.NoSuchProcess:
+        return False
+
+
 def tagged_processes(tag: str) -> list[psutil.Process]:
     """Live processes whose environment carries ``tag`` (an inner session's ranks and their children)."""
     found = []

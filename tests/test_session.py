@@ -6,8 +6,9 @@ from __future__ import annotations
 import signal
 import time
 
-import psutil
 import pytest
+
+from tests.conftest import alive
 
 USAGE_ERROR = 4
 INTERRUPTED = 2
@@ -165,7 +166,7 @@ def test_ctrl_c_leaves_no_process(inner):
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == INTERRUPTED, out
     assert "KeyboardInterrupt" in out
-    wait_for(lambda: inner.leftovers() == [], 15, "no leftover process")
+    wait_for(lambda: inner.leftovers() == [] and not any(alive(p) for p in ranks), 15, "no leftover process")
 
 
 def test_killed_controller_takes_its_ranks_along(inner):
@@ -173,5 +174,7 @@ def test_killed_controller_takes_its_ranks_along(inner):
     proc, ranks = start_a_hanging_session(inner)
     proc.kill()
     proc.wait(timeout=10)
-    wait_for(lambda: inner.leftovers() == [], 15, "the orphaned ranks to exit")
-    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks)
+    # Both: the scan finds every tagged process (the ranks' children too), but misses a rank that is
+    # still exiting; the rank's own handle sees it until it is gone (the race behind a red CI).
+    wait_for(lambda: inner.leftovers() == [] and not any(alive(p) for p in ranks), 15, "the orphaned ranks to exit")
+    assert inner.leftovers() == [] and not any(alive(p) for p in ranks)
