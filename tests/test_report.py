@@ -92,13 +92,50 @@ def test_compare_reports_regressions_fixes_and_changes(inner):
     assert strict.returncode == 1
 
 
+#: Headless-capable browsers, in order: Debian's chromium (what .ci/run installs), then the names
+#: other systems use. Ubuntu's ``chromium``/``chromium-browser`` are stubs asking for the snap,
+#: which GitHub's runners do not have; those runners ship Google Chrome instead.
+BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome")
+
+
+def working_browser(candidates=BROWSERS) -> tuple[str | None, list[str]]:
+    """(the first candidate that really runs, what was wrong with each one tried before it)."""
+    tried = []
+    for name in candidates:
+        path = shutil.which(name)
+        if path is None:
+            continue
+        try:
+            proc = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            tried.append(f"{path}: {exc}")
+            continue
+        if proc.returncode == 0 and re.search(r"(Chromium|Chrome) \d+", proc.stdout):
+            return path, tried
+        said = (proc.stdout + proc.stderr).strip().splitlines()
+        tried.append(f"{path}: exit {proc.returncode}, {said[0] if said else 'no output'}")
+    return None, tried
+
+
 def chromium() -> str:
-    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    found, tried = working_browser()
     if found is None:
-        if os.environ.get("CI"):
-            pytest.fail("Chromium is needed for the HTML report test (.ci/run installs Debian's chromium)")
-        pytest.skip("Chromium is not installed (apt-get install chromium)")
+        reason = "no working Chromium or Chrome (" + ("; ".join(tried) or "none on PATH") + ")"
+        if os.environ.get("CI") and shutil.which("apt-get"):
+            pytest.fail(f"the HTML report test needs a browser: {reason}; .ci/run installs Debian's chromium")
+        pytest.skip(reason)
     return found
+
+
+def test_a_snap_stub_is_not_a_browser(tmp_path, monkeypatch):
+    """Ubuntu's chromium-browser prints a request for the snap and fails: it is passed over."""
+    stub = tmp_path / "chromium-browser"
+    stub.write_text("#!/bin/sh\necho \"Command '/usr/bin/chromium-browser' requires the chromium snap to be installed.\"\n"
+                    "exit 1\n")
+    stub.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    found, tried = working_browser(("chromium-browser",))
+    assert found is None and "requires the chromium snap" in tried[0]
 
 
 def test_html_renders_in_a_real_browser_and_matches_the_json(inner, tmp_path):
