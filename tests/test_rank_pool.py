@@ -6,6 +6,8 @@ and ordinary calls must reuse the same rank processes (no respawn per test).
 
 from __future__ import annotations
 
+import copy
+import re
 import uuid
 
 import psutil
@@ -103,6 +105,34 @@ def test_crash_names_the_rank_and_its_exit(dist_ranks, how, exitcode, words):
         assert "Segmentation fault" in dead.stderr  # faulthandler's dump of the dying rank
     assert result.outcomes[0].status in (ERROR, HANG)  # its peer vanished mid-collective
     assert result.pool_restarted
+    assert_pool_works(dist_ranks)
+
+
+def test_a_segfault_is_named_before_the_connection_reset_it_caused(dist_ranks):
+    """Rank 1 dies while rank 0 sits in an all-reduce; rank 0 then raises "Connection reset by
+    peer". The headline must lead with rank 1's crash and its stack, not with rank 0's error."""
+    result = dist_ranks.run(torch_cells.segfault_while_peer_in_collective, 1)
+    dead, peer = result.outcomes[1], result.outcomes[0]
+    assert dead.status == CRASH, result.story()
+    assert peer.status == ERROR and peer.lost_peer, result.story()
+    assert result.first_failure() is dead
+    summary = result.summary()
+    assert re.search(
+        r"; first failure: rank 1 \(pid \d+\): crashed, killed by signal 11 \(SIGSEGV\) "
+        r"in segfault_while_peer_in_collective \(torch_cells\.py:\d+\); then rank 0 \(pid \d+\): raised ",
+        summary,
+    ), summary
+    # The dying rank's story comes first, with faulthandler's stack of the thread that died.
+    story = result.story()
+    first_story = story[story.index("---------- rank 1") : story.index("---------- rank 0")]
+    assert "Fatal Python error: Segmentation fault" in first_story
+    assert re.search(r"Current thread .*\n.*line \d+ in segfault_while_peer_in_collective", first_story)
+    assert result.pool_restarted
+    # The controller dates a death when it sees it, which under load can come after the peer's
+    # "Connection reset by peer" arrived; that error proves the death came first.
+    seen_late = copy.deepcopy(result)
+    seen_late.outcomes[1].failed_at = peer.failed_at + 5.0
+    assert seen_late.first_failure().rank == 1
     assert_pool_works(dist_ranks)
 
 

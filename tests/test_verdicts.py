@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import copy
+import re
 
 from conformance import axes, rank_train
 from conformance.judge import judge_fit
+from keras_dtensor_conformance.outcomes import HANG
 from keras_dtensor_conformance.verdicts import (
     COMPILE_FALLBACK,
+    COMPILE_TIMEOUT,
     CRASH_VERDICT,
     HANG_VERDICT,
     MIXED_TENSOR,
@@ -48,8 +51,46 @@ def test_no_sharding_strategy(keras_ranks):
 
 
 def test_hang_and_crash(dist_ranks):
-    assert classify_failure(dist_ranks.run(torch_cells.hang_on_rank, 1, timeout=5))[0] == HANG_VERDICT
+    verdict, message = classify_failure(dist_ranks.run(torch_cells.hang_on_rank, 1, timeout=5))
+    assert verdict == HANG_VERDICT
+    assert "hung (no answer within the 5s timeout)" in message and "compiling" not in message
     assert classify_failure(dist_ranks.run(torch_cells.crash_on_rank, 0, "kill"))[0] == CRASH_VERDICT
+
+
+def run_warm(pool, fn, *args, timeout: float):
+    """``pool.run`` on ranks that already compiled once: a fresh rank's first seconds go to
+    importing the cell module and dynamo, so a short timeout would catch them there instead."""
+    assert pool.run(torch_cells.compile_for_long, 1).ok
+    return pool.run(fn, *args, timeout=timeout)
+
+
+def test_timeout_while_compiling_is_not_a_hang(dist_ranks):
+    """Out of time with dynamo still tracing (its frames in the stacks dumped at the timeout) is a
+    slow compile, not a deadlock; a rank waiting for the compiling one does not make it a hang."""
+    result = run_warm(dist_ranks, torch_cells.compile_for_long, timeout=3)
+    assert all(o.status == HANG and o.compiling for o in result.outcomes), result.story()
+    verdict, message = classify_failure(result)
+    assert verdict == COMPILE_TIMEOUT
+    assert re.search(r"rank 0 \(pid \d+\): timed out while compiling \(no answer within the 3s timeout; "
+                     r"still in torch/_dynamo/\S+\.py in \w+\)", message), message
+    assert "hung" not in message.splitlines()[0]
+
+    result = run_warm(dist_ranks, torch_cells.compile_on_rank, 1, timeout=3)
+    verdict, message = classify_failure(result)
+    assert verdict == COMPILE_TIMEOUT, message
+    assert "barrier" in result.outcomes[0].stack and not result.outcomes[0].compiling
+    assert re.search(r"first failure: rank 1 \(pid \d+\): timed out while compiling .*; then rank 0 "
+                     r"\(pid \d+\): hung", message.splitlines()[0]), message
+
+
+def test_the_first_failure_names_the_verdict_not_a_later_crash(dist_ranks):
+    """A rank raises a real no-sharding-strategy error; another dies a second later. The cell is
+    judged by the bug that came first, not by the worst status."""
+    result = dist_ranks.run(torch_cells.no_strategy_then_crash_on_rank, 1)
+    assert [o.status for o in result.outcomes[:2]] == ["error", "crash"], result.story()
+    verdict, message = classify_failure(result)
+    assert verdict == NO_SHARDING_STRATEGY, message
+    assert "; first failure: rank 0 " in message.splitlines()[0]
 
 
 def test_training_verdicts(keras_ranks, references):

@@ -9,12 +9,13 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from keras_dtensor_conformance import rank_context
 
@@ -73,6 +74,63 @@ def crash_on_rank(bad_rank: int, how: str) -> int:
         os.kill(os.getpid(), signal.SIGSEGV if how == "segv" else signal.SIGKILL)
     dist.barrier()
     return dist.get_rank()
+
+
+def segfault_while_peer_in_collective(bad_rank: int) -> int:
+    """``bad_rank`` segfaults once the others are inside an all-reduce it never joins (they then
+    raise "Connection reset by peer"): the crash is the cause, the others' errors its consequence.
+
+    It has a dozen idle Python threads, as a Keras rank has (executors, prefetchers), so
+    faulthandler's dump of every thread is longer than the tail of stderr a story shows."""
+    if dist.get_rank() == bad_rank:
+        idle = threading.Event()
+        for _ in range(12):
+            threading.Thread(target=idle.wait, daemon=True).start()
+        time.sleep(1.0)  # let the others enter the collective first
+        print("about to segfault", file=sys.stderr)
+        os.kill(os.getpid(), signal.SIGSEGV)
+    dist.all_reduce(torch.ones(1))
+    return dist.get_rank()
+
+
+def no_strategy_then_crash_on_rank(bad_rank: int) -> list:
+    """The others hit a real DTensor bug (aten.searchsorted has no sharding strategy in torch 2.13)
+    and return; ``bad_rank`` dies a second later, of a cause of its own. The first failure is the bug."""
+    mesh = _mesh()
+    sorted_rows = DTensor.from_local(torch.arange(8.0).reshape(1, 8), mesh, [Replicate()], run_check=False)
+    if dist.get_rank() == bad_rank:
+        time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGSEGV)
+    return torch.searchsorted(sorted_rows, sorted_rows).tolist()
+
+
+def raise_on_rank_only(bad_rank: int) -> int:
+    """``bad_rank`` raises; the others return at once (no collective, so none of them waits)."""
+    if dist.get_rank() == bad_rank:
+        raise ValueError(f"deliberate failure on rank {bad_rank} only")
+    return dist.get_rank()
+
+
+def _long_trace(x, steps: int):
+    for _ in range(steps):  # dynamo unrolls the loop: one traced op after another
+        x = x * 1.0001 + 1
+    return x
+
+
+def compile_for_long(steps: int = 10**6) -> float:
+    """torch.compile of a Python loop of ``steps`` steps: dynamo unrolls and traces it op by op
+    (about 80 steps a second measured on the 2-core development machine), so the rank is still
+    compiling, neither deadlocked nor asleep, long after a short timeout."""
+    compiled = torch.compile(_long_trace, backend="eager")
+    return float(compiled(torch.ones(2), steps).sum())
+
+
+def compile_on_rank(bad_rank: int) -> float:
+    """``bad_rank`` compiles for long; the others wait for it in a barrier."""
+    if dist.get_rank() == bad_rank:
+        return compile_for_long()
+    dist.barrier()
+    return 0.0
 
 
 def leak_state() -> None:

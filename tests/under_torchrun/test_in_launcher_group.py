@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 
+import torch.distributed as dist
+
 from conformance import axes, rank_train
 from keras_dtensor_conformance.torchrun_pool import TorchrunPool
+from keras_dtensor_conformance.verdicts import ERROR, classify_failure
 from tests import torch_cells
 
 
@@ -24,8 +27,18 @@ def test_dtensor_cell_runs_on_every_launcher_rank(dist_ranks):
 
 
 def test_exception_on_one_rank_reaches_every_rank(dist_ranks):
-    result = dist_ranks.run(torch_cells.raise_everywhere)
-    assert [o.status for o in result.outcomes] == ["error"] * dist_ranks.nproc
+    """Only the last rank raises; every rank learns it, and all reach the same verdict naming it."""
+    bad = dist_ranks.nproc - 1
+    result = dist_ranks.run(torch_cells.raise_on_rank_only, bad)
+    assert [o.status for o in result.outcomes] == ["ok"] * bad + ["error"]
+    assert [o.value for o in result.outcomes[:bad]] == list(range(bad))
+    assert f"deliberate failure on rank {bad} only" in result.outcomes[bad].error.message
+    verdict, message = classify_failure(result)
+    assert verdict == ERROR
+    assert f"failed on 1 of {dist_ranks.nproc} ranks: rank {bad} (pid " in message.splitlines()[0]
+    seen: list = [None] * dist_ranks.nproc
+    dist.all_gather_object(seen, (verdict, message.splitlines()[0]))
+    assert seen == [(verdict, message.splitlines()[0])] * dist_ranks.nproc
 
 
 def test_keras_model_parallel_fit(keras_ranks):
