@@ -72,4 +72,72 @@ def test_malformed_expectations_file_is_a_usage_error(inner):
     inner.pytester.path.joinpath("expect.txt").write_text("test_cell[mixed] not-a-verdict why\n")
     result = inner.run("--conformance-expect", "expect.txt")
     assert result.returncode == 4
-    assert "expect.txt:1: expected 'cell-id verdict reason'" in result.stdout + result.stderr
+    assert "expect.txt:1: expected 'cell-id verdict [/regex/] reason'" in result.stdout + result.stderr
+
+
+# ------------------------------------------------------------ globs, patterns, precedence
+CAUSES = """
+import pytest
+from keras_dtensor_conformance.verdicts import CellFailure
+
+REFUSED = "jit_compile=True but dynamo compiled no graph (`jit_compile=True` is not supported with `ModelParallel`)"
+FAILURES = {
+    "sgd-jit-colshard": ("compile-fallback", REFUSED),
+    "adam-jit-colshard": ("compile-fallback", REFUSED),
+    "adam-jit-rowshard": ("compile-fallback", "jit_compile=True but dynamo compiled no graph (a graph break)"),
+    "adam-nojit-rowshard": ("numerics", "losses differ from single-process by 0.06"),
+}
+
+@pytest.mark.parametrize("cell", [*FAILURES, "adam-jit-dataparallel"])
+def test_fit(cell):
+    if cell in FAILURES:
+        raise CellFailure(*FAILURES[cell])
+"""
+
+GLOBS = """# jit under ModelParallel: one cause, one line
+test_fit[*-jit-*]  compile-fallback  /not supported with `ModelParallel`/  jit under ModelParallel runs eager
+test_fit[*-rowshard]           error             /IndexError/  row-sharded Embedding
+test_fit[adam-nojit-rowshard]  numerics          row-sharded attention differs by 0.06
+test_gone[*]                   hang              a family that no longer exists
+"""
+
+
+def test_globs_patterns_and_precedence(inner):
+    """A glob xfails all its cells (brackets literal); the first glob beats a later one, an
+    exact id beats both; a failure whose text misses the pattern fails as changed."""
+    inner.pytester.makepyfile(CAUSES)
+    inner.pytester.path.joinpath("expect.txt").write_text(GLOBS)
+    result = inner.run("--conformance-expect", "expect.txt", "-rxXf")
+    out = result.stdout
+    assert result.returncode == 1, out
+    for cell in ("sgd-jit-colshard", "adam-jit-colshard"):
+        assert f"::test_fit[{cell}] - [compile-fallback] jit under ModelParallel runs eager" in out, out
+    assert ("expected compile-fallback matching /not supported with `ModelParallel`/ (jit under ModelParallel "
+            "runs eager), got compile-fallback: jit_compile=True but dynamo compiled no graph (a graph break)") in out
+    assert re.search(r"FAILED \S+::test_fit\[adam-jit-rowshard\]", out), out
+    assert "::test_fit[adam-nojit-rowshard] - [numerics] row-sharded attention" in out  # exact, not the error glob
+    assert re.search(r"XPASS \S+::test_fit\[adam-jit-dataparallel\]", out), out  # the glob covers it too
+    assert "1 expectation entries match no collected cell" in out and "test_gone[*]" in out
+    assert "1 failed, 3 xfailed, 1 xpassed" in out
+
+
+def test_update_keeps_globs_and_patterns(inner):
+    """Globs stay one line each, with their patterns and comments; only the cell no entry
+    covers (the new cause) gets an exact entry, which then overrides its glob."""
+    inner.pytester.makepyfile(CAUSES)
+    path = inner.pytester.path.joinpath("expect.txt")
+    path.write_text(GLOBS)
+    result = inner.run("--conformance-expect", "expect.txt", "--update-expectations", "expect.txt")
+    assert "expectations written to expect.txt: 5 entries" in result.stdout, result.stdout
+    text = path.read_text()
+    entries = [line.split(None, 2) for line in text.splitlines() if line and not line.startswith("#")]
+    assert [e[0] for e in entries] == [
+        "test_fit[*-jit-*]", "test_fit[*-rowshard]", "test_gone[*]",  # globs first, in their order
+        "test_fit[adam-jit-rowshard]", "test_fit[adam-nojit-rowshard]",
+    ]
+    assert "# jit under ModelParallel: one cause, one line\ntest_fit[*-jit-*]" in text
+    assert entries[0][2] == "/not supported with `ModelParallel`/  jit under ModelParallel runs eager"
+    assert entries[3][1:] == ["compile-fallback", "jit_compile=True but dynamo compiled no graph (a graph break)"]
+    rerun = inner.run("--conformance-expect", "expect.txt")
+    assert rerun.returncode == 0, rerun.stdout
+    assert "4 xfailed, 1 xpassed" in rerun.stdout
