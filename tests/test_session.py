@@ -88,9 +88,25 @@ def test_build_without_torch_distribution_skips_every_cell_once(inner, keras_315
     assert "keras: 3.15.1 from " + keras_3151_tree in out
     assert "torch_distribution_lib=no" in out
     assert "1 passed, 1 skipped" in out  # the pure torch cell still runs
-    reason = "has no torch distribution support"
+    reason = "has no torch distribution support: keras.src.backend.distribution_lib, which keras.distribution calls"
     summary = [line for line in out.splitlines() if "conformance cells skipped" in line]
     assert len(summary) == 1 and reason in summary[0], out
+
+
+@pytest.mark.parametrize("requirement, flag", [
+    (("--require-distribution",), "--require-distribution"),
+    (("-o", "require_distribution=true"), "the ini option require_distribution"),
+], ids=["option", "ini"])
+def test_required_distribution_on_a_build_without_it_is_one_error(inner, keras_3151_tree, requirement, flag):
+    """Asked to require it, a build without torch distribution fails instead of skipping to green."""
+    inner.pytester.makepyfile(CELLS)
+    result = inner.run("--keras-path", keras_3151_tree, *requirement)
+    assert result.returncode == USAGE_ERROR, result.stdout + result.stderr
+    line = only_error_line(result)
+    assert line.startswith(f"ERROR: Keras 3.15.1 ({keras_3151_tree}) has no torch distribution support, but {flag} "
+                           "says it must have it: keras.src.backend.distribution_lib"), line
+    assert "the build does not ship keras/src/backend/torch/distribution_lib.py" in line
+    assert inner.leftovers() == []
 
 
 def test_keras_path_tree_is_what_every_rank_imports(inner, keras_nightly_tree):
