@@ -47,8 +47,9 @@ def collect(*args: str) -> tuple[str, str, list[str]]:
 
 
 def test_space_and_equals_forms_choose_the_same_root_ini_and_cells(checkout_with_pytest_config):
-    space = collect("--nproc", "2", "--keras-path", checkout_with_pytest_config)
-    equals = collect("--nproc=2", f"--keras-path={checkout_with_pytest_config}")
+    # A flag of ours (--conformance-strict) before another argument takes no value from it.
+    space = collect("--conformance-strict", "--nproc", "2", "--keras-path", checkout_with_pytest_config)
+    equals = collect("--conformance-strict", "--nproc=2", f"--keras-path={checkout_with_pytest_config}")
     assert equals[:2] == (ROOT, "pytest.ini")
     assert space == equals
     assert "test_keras_own" not in space[2] and len(space[2]) > 100
