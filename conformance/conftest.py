@@ -4,15 +4,39 @@ from __future__ import annotations
 
 import pytest
 
-from conformance import axes
-from conformance.reference import References
+from conformance import axes, oracle
+from conformance.reference import OtherBuild, References
 
 
 @pytest.fixture(scope="session")
 def references(conformance_state, keras_ranks) -> References:
-    pool = conformance_state.manager.reference()
-    pool.start()  # here, so no cell's duration includes starting it
-    return References(pool)
+    """The single-process references: on the build under test, or on --reference-keras-path's
+    build with the build under test as the fallback (then started only when a cell needs it)."""
+    manager = conformance_state.manager
+    if conformance_state.reference_path is None:
+        manager.reference().start()  # here, so no cell's duration includes starting it
+        return References(manager.reference())
+    other = manager.reference(conformance_state.reference_path)
+    other.start()
+    return References(manager.reference(), OtherBuild(other, conformance_state.reference_label))
+
+
+@pytest.fixture
+def reference_for(references, request):
+    """``reference_for(spec)``: the cell's reference PoolResult; records on the cell (JSON report,
+    junitxml) which reference that was and whether the NumPy oracle judges the cell.
+
+    Through the item's ``user_properties``, as the cell's axes are (``record_property`` would warn
+    under junitxml's default xunit2 family)."""
+
+    def get(spec: dict):
+        properties = request.node.user_properties
+        properties.append(("oracle", oracle.coverage(spec)))
+        reference = references.lookup(spec)
+        properties.append(("reference", reference.source))
+        return reference.result
+
+    return get
 
 
 def training_params(full: bool) -> list:

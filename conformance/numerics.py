@@ -1,14 +1,29 @@
-"""The numerics check: a distributed cell's numbers against the single-process reference."""
+"""The numerics check: a distributed cell's numbers against the single-process reference.
+
+Each rank feeds only its local part of every global batch (``rank_train.batch_part``), while the
+reference trains on the global batch. What each quantity is compared with follows from that:
+
+- final weights: the model trained on the global batch, so every rank holds the reference's
+  weights, and the ranks hold exactly the same ones;
+- step losses, epoch loss, evaluate: a build may report the global value (the nightly all-reduces
+  its metrics over the batch axis) or the rank's local one (a DDP loop that does not reduce its
+  metrics); see ``reported_problems``;
+- predict: Keras returns, per process, the rows that process fed (torch ``_gather_non_batch_axes``:
+  gathered along every mesh axis but the batch axis), or all rows where a build gathers the batch
+  too; which one is decided by the shape, and compared with the reference's same rows.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
-
 #: Tolerances for comparing with the single-process reference. Sharded reductions sum in
 #: another order (partial sums all-reduced), so float32 results differ in the last bits and
 #: the difference grows a little with every optimizer step.
 TOLERANCES = {"float32": {"rtol": 1e-4, "atol": 1e-5}}
+
+#: Values a rank reports as metrics: global (all-reduced) or the mean over its local batch.
+REPORTED = ("step_losses", "epoch_loss", "evaluate")
 
 
 def compare(name: str, got, want, dtype: str = "float32") -> str | None:
@@ -23,25 +38,77 @@ def compare(name: str, got, want, dtype: str = "float32") -> str | None:
     return f"{name}: max abs difference {worst:.3g} from the reference (rtol {tol['rtol']}, atol {tol['atol']})"
 
 
+def batch_groups(values: list[dict]) -> dict[int, list[int]]:
+    """Batch-shard index -> the ranks that fed those rows (same ``batch_part`` index)."""
+    groups: dict[int, list[int]] = {}
+    for rank, value in enumerate(values):
+        groups.setdefault(value["batch_part"][0], []).append(rank)
+    return groups
+
+
+def reported_problems(key: str, values: list[dict], want) -> list[str]:
+    """A reported metric (losses, evaluate) against the reference's global value.
+
+    Accepted: every rank reports the global value; or every rank reports its local value, ranks
+    that fed the same rows agree, and the mean over batch shards equals the global value. The
+    second is exact arithmetic, not a loosened tolerance: each shard's local value is a mean over
+    an equal number of rows (``rank_train.BATCH`` divides evenly; Keras' loss reduction divides by
+    the batch size even with sample weights), and the running mean over steps is linear, so the
+    mean over shards of the local means is the global mean. Anything else (a rank reporting a
+    value that is neither, shards that do not average to the global) is a problem.
+    """
+    global_problems = [p for r, v in enumerate(values) if (p := compare(f"rank {r}: {key}", v[key], want))]
+    if not global_problems:
+        return []
+    groups = batch_groups(values)
+    problems = []
+    for index, ranks in groups.items():
+        first = values[ranks[0]][key]
+        problems += [f"ranks {ranks[0]} and {r} fed the same rows but report different {key}"
+                     for r in ranks[1:] if compare(key, values[r][key], first)]
+    shard_mean = np.mean([np.asarray(values[ranks[0]][key], dtype="float64") for ranks in groups.values()], axis=0)
+    problem = compare(f"{key} (mean over {len(groups)} batch shard(s))", shard_mean, want)
+    if problems or problem:
+        return global_problems + problems + ([problem] if problem else [])
+    return []
+
+
+def predict_problems(rank: int, value: dict, want: np.ndarray) -> list[str]:
+    """A rank's predictions against the reference's rows it fed, or all rows if it returned all."""
+    got, rows = np.asarray(value["predict"]), np.asarray(value["rows"])
+    expected = want if got.shape[:1] == want.shape[:1] else want[rows]
+    problem = compare("predict", got, expected)
+    return [f"rank {rank}: {problem}"] if problem else []
+
+
+def weight_problems(rank: int, value: dict, reference: dict) -> list[str]:
+    """A rank's final (global) weights against the reference's."""
+    problems = []
+    for path, weight in reference["weights"].items():
+        if path not in value["weights"]:
+            problems.append(f"rank {rank}: weight {path} missing")
+            continue
+        problem = compare(f"weight {path}", value["weights"][path], weight)
+        if problem:
+            problems.append(f"rank {rank}: {problem}")
+    return problems
+
+
+def ranks_agree(values: list[dict]) -> list[str]:
+    """Every rank holds exactly rank 0's weights (replicas that drifted apart are a bug)."""
+    first = values[0]
+    return [f"ranks 0 and {rank} disagree on weight {path}"
+            for rank, value in enumerate(values[1:], start=1)
+            for path, weight in first["weights"].items()
+            if not np.array_equal(value["weights"].get(path), weight)]
+
+
 def numerics_problems(values: list[dict], reference: dict) -> list[str]:
     """Every rank against the single-process reference, and the ranks against each other."""
     problems = []
+    for key in REPORTED:
+        problems += reported_problems(key, values, reference[key])
     for rank, value in enumerate(values):
-        where = f"rank {rank}: "
-        for key in ("step_losses", "epoch_loss", "evaluate", "predict"):
-            problem = compare(key, value[key], reference[key])
-            if problem:
-                problems.append(where + problem)
-        for path, weight in reference["weights"].items():
-            if path not in value["weights"]:
-                problems.append(f"{where}weight {path} missing")
-                continue
-            problem = compare(f"weight {path}", value["weights"][path], weight)
-            if problem:
-                problems.append(where + problem)
-    first = values[0]
-    for rank, value in enumerate(values[1:], start=1):
-        for path, weight in first["weights"].items():
-            if not np.array_equal(value["weights"].get(path), weight):
-                problems.append(f"ranks 0 and {rank} disagree on weight {path}")
-    return problems
+        problems += predict_problems(rank, value, np.asarray(reference["predict"]))
+        problems += weight_problems(rank, value, reference)
+    return problems + ranks_agree(values)

@@ -84,7 +84,8 @@ def step_times(spec: dict, warmup: int, rounds: int, distributed: bool = True) -
         for _ in range(STEPS_PER_ROUND):
             model.train_on_batch(x, y)
         _sync(ctx)
-        elapsed = torch.tensor([(time.perf_counter() - start) / STEPS_PER_ROUND], dtype=torch.float64)
+        elapsed = torch.tensor([(time.perf_counter() - start) / STEPS_PER_ROUND], dtype=torch.float64,
+                               device=ctx.torch_device())  # on the group's device: NCCL takes no CPU tensor
         if distributed:
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         times.append(float(elapsed.item()))

@@ -2,7 +2,16 @@
 
 The op runs with a ModelParallel distribution set (as it would inside training, so the build's
 promotion machinery is active) on a DTensor of the cell's placement, against a second operand
-of the cell's kind. Its result is compared on the rank with the same op on plain tensors.
+of the cell's kind. The rank gathers three kinds of evidence for the judge:
+
+- value: the result against the same op on plain tensors;
+- placements: the result's placements against those DTensor's own propagation gives for the
+  same computation written in plain torch (``_torch_twins``), run on the same DTensor outside
+  Keras' promotion mode, with plain operands replicated by DTensor's own rule
+  (``implicit_replication``), so the expectation comes from torch, not from the build;
+- compilation: graphs dynamo compiled for the DTensor run against a control, the same function
+  compiled on plain tensors with no dispatch mode on the stack (a function with no tensor op,
+  such as ``shape``, compiles no graph even there, and so needs none on DTensors).
 """
 
 from __future__ import annotations
@@ -12,17 +21,24 @@ import numpy as np
 from keras_dtensor_conformance import rank_context
 
 ROWS, COLS = 4, 8
+TAKE_INDICES = (2, 0, 3)
+#: Row index per (row, column) for take_along_axis on axis 0.
+ALONG_ROWS = (1, 0, 3, 2)
 
 
 def _x() -> np.ndarray:
     return (np.arange(ROWS * COLS, dtype="float32").reshape(ROWS, COLS) - 13.0) / 7.0
 
 
+def _along() -> np.ndarray:
+    return np.tile(np.array(ALONG_ROWS).reshape(ROWS, 1), (1, COLS))
+
+
 def _ops():
     import keras.ops as K
 
-    idx = np.array([2, 0, 3])
-    along = np.tile(np.array([[1], [0], [3], [2]]), (1, COLS))
+    idx = np.array(TAKE_INDICES)
+    along = _along()
     return {
         # binary: f(x, other), other of shape ``other`` (None: same as x)
         "add": ("binary", K.add, None),
@@ -66,6 +82,72 @@ def _ops():
     }
 
 
+#: Ops whose result is not a tensor (a NumPy array, a shape tuple, a bool): no placements to check.
+NOT_A_TENSOR = ("convert-to-numpy", "shape", "is-tensor")
+
+
+def _torch_twins(device=None):
+    """Each tensor-valued op of ``_ops`` written in plain torch, operand for operand.
+
+    Only the twin's placements are used: they are what DTensor's own sharding propagation gives
+    for the computation, the placements a correct build's result has. A twin takes its operand
+    as the cell hands it (a Python scalar stays a scalar), so ``_as_tensor`` turns a scalar into
+    a tensor where torch needs one, as Keras' ``convert_to_tensor`` does.
+
+    Where torch spells the same computation in two ways that DTensor propagates differently, the
+    entry is a tuple of both and either result's placements is right: ``take`` of rows is
+    ``index_select`` (replicated result of a ``Shard(0)`` input) or an embedding lookup (a
+    ``_MaskPartial`` result: a pending masked sum), and neither loses anything.
+    """
+    import torch
+
+    t = _as_tensor
+    idx = torch.tensor(TAKE_INDICES, device=device)  # indices on the operand's device (cuda under NCCL)
+    along = torch.from_numpy(_along()).to(device)
+    return {
+        "add": torch.add,
+        "subtract": torch.subtract,
+        "multiply": torch.multiply,
+        "divide": lambda a, b: torch.divide(a, torch.abs(b) + 1.0) if isinstance(b, torch.Tensor) else a / b,
+        "minimum": lambda a, b: torch.minimum(t(a), t(b)),
+        "maximum": lambda a, b: torch.maximum(t(a), t(b)),
+        "power": lambda a, b: torch.pow(torch.abs(a) + 1.0, b),
+        "where": lambda a, b: torch.where(torch.gt(a, 0.0), a, t(b)),
+        "matmul": torch.matmul,
+        "dot": torch.matmul,
+        "einsum": lambda a, b: torch.einsum("ij,jk->ik", a, b),
+        "concatenate": lambda a, b: torch.cat([a, b], dim=0),
+        "relu": torch.relu,
+        "exp": torch.exp,
+        "sqrt": lambda a: torch.sqrt(torch.abs(a)),
+        "abs": torch.abs,
+        "square": torch.square,
+        "tanh": torch.tanh,
+        "softmax": lambda a: torch.softmax(a, dim=-1),
+        "cast": lambda a: (a * 4.0).to(torch.int32).to(torch.float32),
+        "sum-axis0": lambda a: torch.sum(a, dim=0),
+        "sum-axis1": lambda a: torch.sum(a, dim=1),
+        "mean-axis0": lambda a: torch.mean(a, dim=0),
+        "mean-axis1": lambda a: torch.mean(a, dim=1),
+        "max-axis0": lambda a: torch.amax(a, dim=0),
+        "max-axis1": lambda a: torch.amax(a, dim=1),
+        "take": (lambda a: torch.index_select(a, 0, idx), lambda a: torch.nn.functional.embedding(idx, a)),
+        "take-along-axis": lambda a: torch.take_along_dim(a, along, dim=0),
+        "slice": lambda a: a[1:3],
+        "index-array": lambda a: a[idx],
+        "reshape": lambda a: torch.reshape(a, (COLS, ROWS)),
+        "transpose": lambda a: torch.transpose(a, 0, 1),
+        "expand-dims": lambda a: torch.unsqueeze(a, 0),
+        "repeat": lambda a: torch.repeat_interleave(a, 2, dim=0),
+    }
+
+
+def _as_tensor(value):
+    import torch
+
+    return value if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.float32)
+
+
 #: name -> "binary" | "unary" (as data for the matrix, without importing Keras in the controller).
 OP_KINDS = {
     **{n: "binary" for n in ("add", "subtract", "multiply", "divide", "minimum", "maximum", "power", "where",
@@ -91,7 +173,12 @@ def _placement(name: str):
 
 
 def _to_numpy(value):
-    import keras
+    """A result as NumPy (or a tuple/bool as is), gathering a DTensor: call it once per result.
+
+    A DTensor whose placement is a pending reduction can be reduced only once: ``take`` along a
+    ``Shard(0)`` axis returns a ``_MaskPartial`` DTensor whose mask is released by the first
+    ``full_tensor()``, and a second one raises a bare AssertionError.
+    """
     import torch
     from torch.distributed.tensor import DTensor
 
@@ -99,13 +186,62 @@ def _to_numpy(value):
         value = value.full_tensor()
     if isinstance(value, torch.Tensor):
         return value.detach().cpu().numpy()
-    return np.asarray(keras.ops.convert_to_numpy(value)) if not isinstance(value, (tuple, bool)) else value
+    if isinstance(value, (tuple, bool)):
+        return value
+    import keras
+
+    return np.asarray(keras.ops.convert_to_numpy(value))
+
+
+def placements_of(value) -> list[str] | None:
+    """A DTensor's placements as text (``["S(0)"]``); None for anything else."""
+    from torch.distributed.tensor import DTensor
+
+    return [str(p) for p in value.placements] if isinstance(value, DTensor) else None
+
+
+def result_evidence(got, expected) -> dict:
+    """What the judge needs from the op's result, which is converted exactly once (see ``_to_numpy``)."""
+    placements = placements_of(got)
+    got = _to_numpy(got)
+    return {
+        "placements": placements,
+        "match": _matches(got, expected),
+        "got": repr(got)[:300],
+        "expected": repr(expected)[:300],
+    }
+
+
+def twin_placements(spellings: tuple, kind: str, operand: str | None, args) -> list[list[str]]:
+    """Placements DTensor's own propagation gives each spelling of the twin, outside every dispatch mode.
+
+    Plain tensors among ``args`` are replicated by DTensor's own rule (``implicit_replication``),
+    which is what the build's promotion of a plain operand is meant to do.
+    """
+    from torch.distributed.tensor.experimental import implicit_replication
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), implicit_replication():
+        return [placements_of(_bind(twin, kind, operand)(*args)) for twin in spellings]
+
+
+def _spellings(twin) -> tuple:
+    return twin if isinstance(twin, tuple) else (twin,)
+
+
+def _bind(fn, kind: str, operand: str | None):
+    """``fn`` as called on (x, other): with the operands swapped for ``tensor-first``."""
+    if kind == "unary":
+        return lambda a: fn(a)
+    if operand == "tensor-first":
+        return lambda a, b: fn(b, a)
+    return lambda a, b: fn(a, b)
 
 
 def op_cell(op: str, operand: str | None, placement: str, compile_mode: str) -> dict:
     import keras
     import torch
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import distribute_tensor
 
     ctx = rank_context.current()
     mesh = keras.distribution.DeviceMesh((ctx.world_size,), ["model"], ctx.device_names())
@@ -119,41 +255,70 @@ def op_cell(op: str, operand: str | None, placement: str, compile_mode: str) -> 
     other_np = np.linspace(-1.5, 2.0, int(np.prod(other_shape or x_np.shape)), dtype="float32").reshape(
         other_shape or x_np.shape
     )
-    x = distribute_tensor(torch.from_numpy(x_np), mesh.backend_mesh, [_placement(placement)])
-
-    if kind == "unary":
-        call, plain_args = (lambda a: fn(a)), (torch.from_numpy(x_np),)
-        args = (x,)
-    else:
-        plain_other = torch.from_numpy(other_np)
-        other = {
-            "tensor": plain_other,
-            "tensor-first": plain_other,
-            "scalar": 2.0,
-            "numpy": other_np,
-            "dtensor": distribute_tensor(
-                plain_other, mesh.backend_mesh, [_placement("replicate" if placement != "replicate" else "shard0")]
-            ),
-        }[operand]
-        if operand == "tensor-first":
-            call, args = (lambda a, b: fn(b, a)), (x, other)
-            plain_args = (torch.from_numpy(x_np), plain_other)
-        else:
-            call, args = (lambda a, b: fn(a, b)), (x, other)
-            plain_args = (torch.from_numpy(x_np), 2.0 if operand == "scalar" else plain_other)
+    # Plain operands live where the ranks compute (cuda under NCCL): an index or operand on another
+    # device than the DTensor's is the harness' mistake, not the build's.
+    device = ctx.torch_device()
+    x = distribute_tensor(torch.from_numpy(x_np).to(device), mesh.backend_mesh, [_placement(placement)])
+    plain_other = torch.from_numpy(other_np).to(device)
+    other = {
+        None: None,
+        "tensor": plain_other,
+        "tensor-first": plain_other,
+        "scalar": 2.0,
+        "numpy": other_np,
+        "dtensor": distribute_tensor(
+            plain_other, mesh.backend_mesh, [_placement("replicate" if placement != "replicate" else "shard0")]
+        ),
+    }[operand]
+    plain_x = torch.from_numpy(x_np).to(device)
+    args = (x,) if kind == "unary" else (x, other)
+    plain_args = (plain_x,) if kind == "unary" else (plain_x, 2.0 if operand == "scalar" else plain_other)
+    twin_args = (x,) if kind == "unary" else (x, plain_other if operand == "numpy" else other)
+    call = _bind(fn, kind, operand)
 
     expected = _to_numpy(call(*plain_args))
+    control_graphs = _plain_control_graphs((op, operand), call, plain_args) if compile_mode == "compiled" else 0
     graphs_before = _graphs()
     run = torch.compile(call, backend="aot_eager") if compile_mode == "compiled" else call
     got = run(*args)
     compiled_graphs = _graphs() - graphs_before
+    evidence = result_evidence(got, expected)
+    # The twin runs only after the result was read: DTensor's propagation cache hands the twin's
+    # result the same _MaskPartial placement object as the op's, whose mask buffer counts its
+    # users, so a twin run first would let the op's result be reduced twice unnoticed.
+    want = None if op in NOT_A_TENSOR else twin_placements(_spellings(_torch_twins(device)[op]), kind, operand, twin_args)
     return {
-        "result_is_dtensor": isinstance(got, DTensor),
-        "match": _matches(_to_numpy(got), expected),
-        "got": repr(_to_numpy(got))[:300],
-        "expected": repr(expected)[:300],
+        **evidence,
+        "expected_placements": want,
         "compiled_graphs": compiled_graphs,
+        "control_graphs": control_graphs,
     }
+
+
+#: (op, operand) -> graphs of its plain control, measured once per rank process: the control's
+#: inputs do not depend on the cell's placement, and compiling it costs about a second.
+_CONTROL_GRAPHS: dict[tuple, int] = {}
+
+
+def _plain_control_graphs(key: tuple, call, plain_args) -> int:
+    """Graphs dynamo compiles for ``call`` on plain tensors with no dispatch mode on the stack.
+
+    The control a compiled DTensor run is held to: a function with no tensor op (``shape``,
+    ``is_tensor``) compiles no graph even here. It runs with every mode popped (and put back),
+    because under a dispatch mode such as the build's promotion mode dynamo compiles nothing,
+    which would make the control as blind as the run it controls. Its backend is ``eager``: the
+    number of graphs is dynamo's decision, made before any backend sees them, and skipping
+    AOTAutograd makes the control several times cheaper.
+    """
+    import torch
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    if key not in _CONTROL_GRAPHS:
+        before = _graphs()
+        with _disable_current_modes():
+            torch.compile(call, backend="eager")(*plain_args)  # dynamo alone decides the graphs
+        _CONTROL_GRAPHS[key] = _graphs() - before
+    return _CONTROL_GRAPHS[key]
 
 
 def _graphs() -> int:

@@ -4,6 +4,11 @@ Asserting the layout that was asked for matters because LayoutMap keys are regex
 with re.fullmatch: a key that matches nothing leaves the kernel a plain replicated
 Parameter, and training still "works". Only this check notices. Optimizer slots and EMA
 copies are held to the layout of the variable they shadow.
+
+Local shapes follow torch's own chunking rule (``Shard._split_tensor``, ``torch.chunk``): a
+dimension of n over k shards gives ceil(n / k) rows to each shard in mesh order until n runs out,
+so the last shards may be smaller or empty (16 over 3: 6, 6, 4; 5 over 4: 2, 2, 1, 0). An uneven
+split is therefore DTensor's, not the build's, and the expected local shape depends on the rank.
 """
 
 from __future__ import annotations
@@ -18,10 +23,27 @@ def mesh_shape(layout: dict, nproc: int) -> tuple[int, ...]:
     return tuple(nproc if d == "nproc" else d for d in layout.get("mesh", (1, "nproc")))
 
 
-def intended(layout: dict, path: str, shape: tuple, nproc: int) -> tuple[list[str], tuple] | None:
-    """(placements, local shape) the variable at ``path`` should have, or None when the layout
-    leaves it alone (then a plain tensor is fine)."""
+def mesh_coordinate(rank: int, mesh: tuple[int, ...]) -> tuple[int, ...]:
+    """Where ``rank`` sits in ``mesh``: Keras' DeviceMesh reshapes the device list row-major."""
+    coordinate = []
+    for size in reversed(mesh):
+        coordinate.append(rank % size)
+        rank //= size
+    return tuple(reversed(coordinate))
+
+
+def shard_size(n: int, shards: int, index: int) -> int:
+    """Rows of a dimension of ``n`` that shard ``index`` of ``shards`` holds (torch.chunk rule)."""
+    chunk = -(-n // shards)
+    return max(0, min(chunk, n - index * chunk))
+
+
+def intended(layout: dict, path: str, shape: tuple, nproc: int, rank: int = 0) -> tuple[list[str], tuple] | None:
+    """(placements, local shape on ``rank``) the variable at ``path`` should have, or None when
+    the layout leaves it alone (then a plain tensor is fine). The local shape is rank 0's unless
+    ``rank`` is given: with an uneven split the last ranks hold less (see the module docstring)."""
     mesh = mesh_shape(layout, nproc)
+    where = mesh_coordinate(rank, mesh)
     for key, axes in layout.get("map", {}).items():
         if re.fullmatch(key, path):
             placements, local = ["R"] * len(mesh), list(shape)
@@ -29,30 +51,35 @@ def intended(layout: dict, path: str, shape: tuple, nproc: int) -> tuple[list[st
                 if axis is not None:
                     mesh_dim = MESH_AXES.index(axis)
                     placements[mesh_dim] = f"S({dim})"
-                    local[dim] = shape[dim] // mesh[mesh_dim]
+                    local[dim] = shard_size(shape[dim], mesh[mesh_dim], where[mesh_dim])
             return placements, tuple(local)
     return None
 
 
-def sharding_problems(layout: dict, variables: list[dict], nproc: int, what: str = "") -> list[str]:
+def sharding_problems(layout: dict, variables: list[dict], nproc: int, what: str = "",
+                      rank: int | None = None) -> list[str]:
     """What differs from the intended layout, one line per variable (empty: all as asked).
 
-    ``variables`` are ``describe_variable`` dicts; a slot carries ``reference``, the path of the
-    model variable whose layout it must share.
+    ``variables`` are ``describe_variable`` dicts from ``rank``; a slot carries ``reference``, the
+    path of the model variable whose layout it must share. Without ``rank`` (a caller that does
+    not say which rank the variables come from), the local shape of any rank is accepted.
     """
     problems = []
+    ranks = range(nproc) if rank is None else [rank]
     for var in variables:
         path = var.get("reference", var["path"])
-        want = intended(layout, path, tuple(var["shape"]), nproc)
-        if want is None:
+        wants = [intended(layout, path, tuple(var["shape"]), nproc, r) for r in ranks]
+        if wants[0] is None:
             continue
-        placements, local_shape = want
+        placements = wants[0][0]
+        local_shapes = list(dict.fromkeys(local for _, local in wants))
         name = f"{what}{var['path']}"
         if not var["dtensor"]:
             problems.append(f"{name}: a plain {var['type']}, expected a DTensor {placements}")
-        elif var["placements"] != placements or tuple(var["local_shape"]) != local_shape:
+        elif var["placements"] != placements or tuple(var["local_shape"]) not in local_shapes:
+            expected = " or ".join(str(s) for s in local_shapes)
             problems.append(
                 f"{name}: DTensor {var['placements']} local {tuple(var['local_shape'])}, "
-                f"expected {placements} local {local_shape}"
+                f"expected {placements} local {expected}"
             )
     return problems

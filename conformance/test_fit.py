@@ -15,7 +15,7 @@ from conformance import axes, rank_train
 from conformance.judge import judge_fit, skip_if_not_in_build
 
 
-def test_fit(training_cell, keras_ranks, references):
+def test_fit(training_cell, keras_ranks, reference_for):
     model, optimizer, data, compile_mode, layout = training_cell
     package = axes.DATA_SOURCES[data]
     if package and importlib.util.find_spec(package) is None:
@@ -23,4 +23,4 @@ def test_fit(training_cell, keras_ranks, references):
     spec = axes.cell_spec(*training_cell)
     result = keras_ranks.run(rank_train.train, spec)
     skip_if_not_in_build(result)
-    judge_fit(spec, result, references.get(spec), keras_ranks.nproc)
+    judge_fit(spec, result, reference_for(spec), keras_ranks.nproc)

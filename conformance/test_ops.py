@@ -1,7 +1,9 @@
 """Op cells: keras.ops x operand kind x placement x compile mode, on DTensors (see rank_ops.py).
 
-A cell passes when the op runs on every rank, its value equals the same op on plain tensors,
-and, under torch.compile, dynamo really compiled it.
+A cell passes when the op runs on every rank, its value equals the same op on plain tensors, a
+tensor result is a DTensor with the placements DTensor's own propagation gives (from the same
+computation in plain torch), and, under torch.compile, dynamo compiled at least the graphs the same
+function compiles on plain tensors (none for an op with no tensor work, such as ``shape``).
 """
 
 from __future__ import annotations
@@ -32,4 +34,4 @@ def op_params() -> list:
 
 @pytest.mark.parametrize("op, operand, placement, compile_mode", op_params())
 def test_op(keras_ranks, op, operand, placement, compile_mode):
-    judge_op(compile_mode, keras_ranks.run(rank_ops.op_cell, op, operand, placement, compile_mode))
+    judge_op(op, compile_mode, keras_ranks.run(rank_ops.op_cell, op, operand, placement, compile_mode))

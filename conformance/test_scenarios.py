@@ -2,6 +2,8 @@
 
 Scenarios that make rank 0 alone run a collective get a short timeout: on a build that hangs
 there, the cell fails as ``hang`` in seconds, every rank's stack is dumped, and the session goes on.
+No SPMD build can gather a sharded kernel on one rank alone, so those scenarios pass when rank 0
+gets a clear error quickly and every rank finishes training (``judge._judge_rank_zero_only``).
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ SCENARIOS = {
     "iterate-dtensor": (rank_scenarios.iterate_dtensor, (), "iterate", None),
     "assign-partial": (rank_scenarios.assign_partial, (), "partial", None),
     "uneven-sharding": (rank_scenarios.uneven_sharding, (), "uneven", None),
-    "rank0-convert-to-numpy": (rank_scenarios.rank_zero_only, ("convert-to-numpy",), "kernel-kept", HANG_TIMEOUT),
-    "rank0-callback-get-weights": (rank_scenarios.rank_zero_only, ("get-weights",), "kernel-kept", HANG_TIMEOUT),
-    "rank0-checkpoint-save": (rank_scenarios.rank_zero_only, ("save-weights",), "kernel-kept", HANG_TIMEOUT),
+    "rank0-convert-to-numpy": (rank_scenarios.rank_zero_only, ("convert-to-numpy",), "rank-zero-only", HANG_TIMEOUT),
+    "rank0-callback-get-weights": (rank_scenarios.rank_zero_only, ("get-weights",), "rank-zero-only", HANG_TIMEOUT),
+    "rank0-checkpoint-save": (rank_scenarios.rank_zero_only, ("save-weights",), "rank-zero-only", HANG_TIMEOUT),
     "distribution-changed-between-fits": (rank_scenarios.distribution_changed_between_fits, (), "changed", None),
     "clear-session-undoes-distribution": (rank_scenarios.clear_session_undoes_distribution, (), "cleared", None),
     "integer-variable": (rank_scenarios.integer_variable, (), "integer", None),

@@ -172,12 +172,14 @@ CASES = (
     Case(
         Mutant(
             "grad-scale-one-rank",
-            "a gradient scaled twice on rank 1 only (a wrong reduction or scale on one rank)",
+            # Scaled and shifted: Adam's update is invariant to a scale alone (up to epsilon), so a
+            # bare `g * 2` passes Adam cells within tolerance; the shift is what no optimizer cancels.
+            "a gradient corrupted (scaled and shifted) on rank 1 only (a wrong reduction or scale on one rank)",
             (Patch(TORCH + "trainer.py",
                    "            # Update weights\n            with torch.no_grad():\n",
                    "            # Update weights\n"
                    "            if torch.distributed.is_initialized() and torch.distributed.get_rank() == 1:\n"
-                   "                gradients = [None if g is None else g * 2 for g in gradients]  # mutant\n"
+                   "                gradients = [None if g is None else g * 2 + 1e-2 for g in gradients]  # mutant\n"
                    "            with torch.no_grad():\n"),),
         ),
         {c: "numerics" for c in _ids(*_FIT)},
@@ -207,4 +209,89 @@ CASES = (
         ),
         {"test_fit[sgd-arrays-jit-dataparallel]": "compile-fallback"},
     ),
+    # One section per blind spot that a mutant proves closed; each Case goes right below its marker.
+    # [oracle]
+    Case(
+        Mutant(
+            "adam-bias-correction-ahead",
+            "Adam's bias correction a step ahead (beta**(iterations + 2)): a maths bug the single-process "
+            "reference shares, so only the NumPy oracle sees it (+0 would divide 0 by 0: NaN, which the "
+            "reference comparison already catches)",
+            (Patch(TORCH + "optimizers/torch_adam.py",
+                   "        local_step = ops.cast(self.iterations + 1, dtype)\n",
+                   "        local_step = ops.cast(self.iterations + 2, dtype)  # mutant: a step ahead\n"),),
+        ),
+        {c: "numerics" for c in _ids("adam-arrays-nojit-colshard", "adam-dataloader-nojit-rowshard",
+                                     "adam-arrays-nojit-replicated", "adam-arrays-nojit-batchshard",
+                                     "adam-arrays-nojit-dataparallel")},
+        tier=TIER[:7],  # the fit cells: a training-maths bug, which op and setup cells never reach
+    ),
+    # [local-batches]
+    Case(
+        Mutant(
+            "dataparallel-no-allreduce",
+            "DataParallel never all-reduces gradients (train_step bypasses the DistributedDataParallel "
+            "forward, so DDP's reducer never runs): each process steps on its local batch's gradient. "
+            "Invisible while every rank fed the whole batch; each rank feeding its own part of the global "
+            "batch (rank_train.batch_part) exposes it",
+            (Patch(TORCH + "trainer.py",
+                   "        # Compute predictions\n        model = self.ddp_model or self\n",
+                   "        # Compute predictions\n        model = self  # mutant: DDP forward bypassed\n"),),
+        ),
+        {c: "numerics" for c in _ids("adam-arrays-nojit-dataparallel", "sgd-arrays-jit-dataparallel")},
+    ),
+    # [slots]
+    Case(
+        Mutant(
+            "slots-renamed",
+            "optimizer slots named without their variable's path (momentum_3 instead of "
+            "mlp_dense_a_kernel_momentum): a slot check that matches slots by Keras' naming finds none",
+            (Patch("keras/src/optimizers/base_optimizer.py",
+                   "            name = f\"{reference_variable.path.replace('/', '_')}_{name}\"\n",
+                   "            name = f\"{name}_{len(self._variables)}\"  # mutant: no variable path\n"),),
+        ),
+        # SGD keeps no slot; replicated and DataParallel cells shard no variable.
+        {c: "sharding-lost" for c in _ids("adam-arrays-nojit-colshard", "adam-dataloader-nojit-rowshard",
+                                          "adam-arrays-nojit-batchshard")},
+    ),
+    # [compile]
+    Case(
+        Mutant(
+            "graph-break-mid-step",
+            "a compiled train step that breaks between the loss and the backward: graphs still "
+            "compile, but the code between them runs eagerly",
+            (Patch(TORCH + "trainer.py",
+                   "        # Compute gradients\n        if self.trainable_weights:\n",
+                   "        torch._dynamo.graph_break()  # mutant: the step splits before the backward\n"
+                   "        # Compute gradients\n        if self.trainable_weights:\n"),),
+        ),
+        {"test_fit[sgd-arrays-jit-dataparallel]": "compile-fallback"},
+    ),
+    # [op-placement]
+    Case(
+        Mutant(
+            "add-gathers",
+            "keras.ops.add gathers its DTensor result to a plain tensor (right values, sharding lost)",
+            (Patch(TORCH + "ops/numpy.py",
+                   "    return torch.add(x1, x2)\n",
+                   "    result = torch.add(x1, x2)\n"
+                   "    return result.full_tensor() if hasattr(result, \"full_tensor\") else result  # mutant\n"),),
+        ),
+        {"test_op[add-scalar-shard0-eager]": "sharding-lost",
+         "test_op[add-tensor-shard1-eager]": "sharding-lost",
+         "test_op[add-dtensor-shard0-eager]": "sharding-lost"},
+        tier=("conformance/test_ops.py::test_op[add-scalar-shard0-eager]",
+              "conformance/test_ops.py::test_op[add-tensor-shard1-eager]",
+              "conformance/test_ops.py::test_op[add-dtensor-shard0-eager]",
+              "conformance/test_ops.py::test_op[subtract-tensor-shard1-eager]",
+              "conformance/test_ops.py::test_op[relu-shard0-eager]",
+              "conformance/test_setup.py::test_setup[list-devices]"),
+    ),
+    # [no-distribution]
+    # [scenarios]
 )
+
+
+def unmutated_tier() -> tuple[str, ...]:
+    """Every cell some mutant's tier runs: the unmutated build must pass them all."""
+    return tuple(dict.fromkeys(cell for case in CASES for cell in case.tier))

@@ -1,0 +1,114 @@
+"""Op cells judge what the build did, not artefacts of how the cell looks at the result.
+
+Each test runs real op cells on the ranks (or the rank-side helper on a real DTensor) and
+fails if the cell's own machinery would give a false verdict: a pending reduction read twice,
+a compile check that demands graphs from a function with no tensor op, a placement check that
+never compares anything.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conformance import rank_ops
+from conformance.judge import judge_op
+from keras_dtensor_conformance.outcomes import OK, PoolResult, RankOutcome
+from keras_dtensor_conformance.verdicts import COMPILE_FALLBACK, SHARDING_LOST, CellFailure
+
+
+def op_verdict(keras_ranks, op, operand, placement, compile_mode) -> str:
+    try:
+        judge_op(op, compile_mode, keras_ranks.run(rank_ops.op_cell, op, operand, placement, compile_mode))
+    except CellFailure as failure:
+        return failure.verdict
+    return "pass"
+
+
+# ---------------------------------------------------------------- rank-side helpers
+def mask_partial_evidence() -> dict:
+    """An embedding lookup in a ``Shard(0)`` table: a ``_MaskPartial`` DTensor, read by the helper."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    from keras_dtensor_conformance import rank_context
+
+    mesh = init_device_mesh("cpu", (rank_context.current().world_size,))
+    table = torch.arange(32, dtype=torch.float32).reshape(4, 8)
+    idx = torch.tensor([2, 0, 3])
+    with implicit_replication():
+        got = torch.nn.functional.embedding(idx, distribute_tensor(table, mesh, [Shard(0)]))
+    evidence = rank_ops.result_evidence(got, table[idx].numpy())
+    return {**evidence, "type": type(got.placements[0]).__name__}
+
+
+def test_result_evidence_reads_a_pending_reduction_once(dist_ranks):
+    """``result_evidence`` converts a ``_MaskPartial`` result once: a second reduction would raise."""
+    for value in dist_ranks.run(mask_partial_evidence).values:
+        assert value["type"] == "_MaskPartial"
+        assert value["match"], value
+        assert value["placements"][0].startswith("MaskP"), value
+
+
+def test_take_along_the_sharded_axis_passes(keras_ranks):
+    """Formerly a bare AssertionError: the cell gathered take's _MaskPartial result twice."""
+    assert op_verdict(keras_ranks, "take", None, "shard0", "eager") == "pass"
+
+
+# ---------------------------------------------------------------- compile control
+@pytest.mark.parametrize("op", ["shape", "is-tensor"])
+def test_a_compiled_op_with_no_tensor_work_needs_no_graph(keras_ranks, op):
+    """Its plain control compiles no graph either, so compiling none on DTensors is no fallback."""
+    value = keras_ranks.run(rank_ops.op_cell, op, None, "shard1", "compiled").values[0]
+    assert value["control_graphs"] == 0
+    assert op_verdict(keras_ranks, op, None, "shard1", "compiled") == "pass"
+
+
+def test_a_compiled_tensor_op_still_falls_back_on_the_nightly(keras_ranks):
+    """The control is not a loophole: add compiles a graph on plain tensors, none under the promotion mode."""
+    value = keras_ranks.run(rank_ops.op_cell, "add", "tensor", "shard1", "compiled").values[0]
+    assert value["control_graphs"] >= 1 and value["compiled_graphs"] == 0, value
+    assert op_verdict(keras_ranks, "add", "tensor", "shard1", "compiled") == COMPILE_FALLBACK
+
+
+# ---------------------------------------------------------------- placement check
+def test_placements_come_from_torch(keras_ranks):
+    """A sharded elementwise result keeps its shard; a contraction over the shard is a Partial sum."""
+    add = keras_ranks.run(rank_ops.op_cell, "add", "tensor", "shard1", "eager").values[0]
+    assert add["placements"] == ["S(1)"] and add["expected_placements"] == [["S(1)"]], add
+    summed = keras_ranks.run(rank_ops.op_cell, "sum-axis1", None, "shard1", "eager").values[0]
+    assert summed["expected_placements"] == [["P(sum)"]], summed
+
+
+def _op_result(**evidence) -> PoolResult:
+    value = {"match": True, "got": "", "expected": "", "compiled_graphs": 0, "control_graphs": 0, **evidence}
+    return PoolResult("op_cell", [RankOutcome(rank=r, status=OK, value=value) for r in range(2)])
+
+
+@pytest.mark.parametrize("placements, verdict", [
+    (["S(1)"], "pass"),
+    (None, SHARDING_LOST),  # gathered to a plain tensor
+    (["R"], SHARDING_LOST),  # redistributed
+])
+def test_judge_compares_placements(placements, verdict):
+    result = _op_result(placements=placements, expected_placements=[["S(1)"]])
+    try:
+        judge_op("add", "eager", result)
+    except CellFailure as failure:
+        assert failure.verdict == verdict and "['S(1)']" in failure.detail, failure.detail
+        return
+    assert verdict == "pass"
+
+
+def test_ops_with_no_tensor_result_are_exempt_by_name():
+    judge_op("shape", "eager", _op_result(placements=None, expected_placements=None))
+    with pytest.raises(CellFailure):
+        judge_op("add", "eager", _op_result(placements=None, expected_placements=[["S(1)"]]))
+
+
+def test_judge_holds_a_compiled_cell_to_its_control():
+    with pytest.raises(CellFailure, match="fewer than the 1"):
+        judge_op("add", "compiled", _op_result(placements=["R"], expected_placements=[["R"]], control_graphs=1))
+    judge_op("add", "compiled", _op_result(placements=["R"], expected_placements=[["R"]], compiled_graphs=1,
+                                           control_graphs=1))
