@@ -20,11 +20,14 @@ from keras_dtensor_conformance.verdicts import CellFailure
 BROKEN = set(os.environ.get("BROKEN_CELLS", "").split(","))
 VERDICT = {"adam": "mixed-tensor", "sgd": "compile-fallback", "lion": "numerics"}
 
-@pytest.mark.parametrize("opt", ["adam", "sgd", "lion"])
-@pytest.mark.parametrize("data", ["arrays", "dataloader"])
-def test_fit(opt, data, request):
-    request.node.add_marker(pytest.mark.cell(family="fit colshard", row=opt, column=data + "/nojit",
-                                             optimizer=opt, data=data))
+CELLS = [
+    pytest.param(opt, data, id=f"{data}-{opt}", marks=pytest.mark.cell(
+        family="fit colshard", row=opt, column=data + "/nojit", optimizer=opt, data=data))
+    for data in ["arrays", "dataloader"] for opt in ["adam", "sgd", "lion"]
+]
+
+@pytest.mark.parametrize("opt, data", CELLS)
+def test_fit(opt, data):
     if f"{opt}-{data}" in BROKEN:
         raise CellFailure(VERDICT[opt], f"{opt} broke on {data}")
 """
