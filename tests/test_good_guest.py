@@ -187,3 +187,26 @@ def test_a_bad_rank_timeout_marker_is_one_error_line(inner):
     result = inner.run()
     assert result.returncode == USAGE_ERROR
     assert "the rank_timeout marker takes one positive number of seconds" in only_error_line(result)
+
+
+# ------------------------------------------------------------------ benchmarks when skipped
+BENCHMARKS = """
+def test_our_benchmark(benchmark, conformance_state):
+    benchmark(lambda: None)
+
+def test_a_strangers_benchmark(benchmark):
+    benchmark(lambda: None)
+
+def test_cell(conformance_state):
+    pass
+"""
+
+
+def test_our_benchmarks_are_deselected_not_skipped_when_benchmarks_are_skipped(inner):
+    """pytest's skip count then agrees with the report's; a stranger's benchmark stays pytest-benchmark's."""
+    inner.pytester.makepyfile(test_benchmarks=BENCHMARKS)
+    result = inner.run("--benchmark-skip", "-rs")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 passed, 1 skipped, 1 deselected" in result.stdout
+    (skipped,) = [line for line in result.stdout.splitlines() if line.startswith("SKIPPED")]
+    assert "Skipping benchmark (--benchmark-skip active)" in skipped  # the stranger's, not ours

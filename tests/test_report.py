@@ -93,6 +93,9 @@ def test_compare_reports_regressions_fixes_and_changes(inner):
     assert [e["id"] for e in compare["regressions"]] == ["test_fit[dataloader-lion]"]
     strict = run(inner, *args, "--conformance-fail-on-regression", broken="sgd-arrays,lion-dataloader")
     assert strict.returncode == 1
+    # The last lines say why a session whose cells all passed or xfailed exits 1.
+    assert ("keras-dtensor-conformance: 1 regression against old.json (test_fit[dataloader-lion]) and "
+            "--conformance-fail-on-regression: failing the session") in strict.stdout.splitlines()[-3:], strict.stdout
 
 
 #: Headless-capable browsers, in order: Debian's chromium (what .ci/run installs), then the names
