@@ -20,11 +20,14 @@ from keras_dtensor_conformance.verdicts import CellFailure
 BROKEN = set(os.environ.get("BROKEN_CELLS", "").split(","))
 VERDICT = {"adam": "mixed-tensor", "sgd": "compile-fallback", "lion": "numerics"}
 
-@pytest.mark.parametrize("opt", ["adam", "sgd", "lion"])
-@pytest.mark.parametrize("data", ["arrays", "dataloader"])
-def test_fit(opt, data, request):
-    request.node.add_marker(pytest.mark.cell(family="fit colshard", row=opt, column=data + "/nojit",
-                                             optimizer=opt, data=data))
+CELLS = [
+    pytest.param(opt, data, id=f"{data}-{opt}", marks=pytest.mark.cell(
+        family="fit colshard", row=opt, column=data + "/nojit", optimizer=opt, data=data))
+    for data in ["arrays", "dataloader"] for opt in ["adam", "sgd", "lion"]
+]
+
+@pytest.mark.parametrize("opt, data", CELLS)
+def test_fit(opt, data):
     if f"{opt}-{data}" in BROKEN:
         raise CellFailure(VERDICT[opt], f"{opt} broke on {data}")
 """
@@ -90,6 +93,9 @@ def test_compare_reports_regressions_fixes_and_changes(inner):
     assert [e["id"] for e in compare["regressions"]] == ["test_fit[dataloader-lion]"]
     strict = run(inner, *args, "--conformance-fail-on-regression", broken="sgd-arrays,lion-dataloader")
     assert strict.returncode == 1
+    # The last lines say why a session whose cells all passed or xfailed exits 1.
+    assert ("keras-dtensor-conformance: 1 regression against old.json (test_fit[dataloader-lion]) and "
+            "--conformance-fail-on-regression: failing the session") in strict.stdout.splitlines()[-3:], strict.stdout
 
 
 #: Headless-capable browsers, in order: Debian's chromium (what .ci/run installs), then the names

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 
@@ -93,6 +94,34 @@ def test_build_without_torch_distribution_skips_every_cell_once(inner, keras_315
     assert len(summary) == 1 and reason in summary[0], out
 
 
+KERAS_CELLS = """
+import pytest
+
+def version():
+    import keras
+    return keras.__version__
+
+@pytest.mark.parametrize("opt", ["sgd", "adam", "lion"])
+@pytest.mark.parametrize("data", ["arrays", "dataloader"])
+def test_fit(keras_ranks, opt, data):
+    keras_ranks.run(version)
+"""
+
+
+def test_unsupported_build_counts_the_selected_cells_and_draws_no_grid(inner, keras_3151_tree):
+    """6 cells collected, 2 selected by -k: the end of the run says 2, and shows no grid of skips."""
+    inner.pytester.makepyfile(KERAS_CELLS.replace(
+        "def test_fit", "@pytest.mark.cell(family='fit colshard', row='r', column='c')\ndef test_fit"))
+    result = inner.run("--keras-path", keras_3151_tree, "-k", "adam")
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    assert "2 skipped, 4 deselected" in out
+    summary = [line for line in out.splitlines() if "conformance cells skipped" in line]
+    assert len(summary) == 1 and summary[0].startswith("2 conformance cells skipped: Keras 3.15.1"), out
+    assert "fit colshard" not in out and "slowest cells" not in out
+    assert "2 cells: 2 skipped (2 skipped)" in out
+
+
 @pytest.mark.parametrize("requirement, flag", [
     (("--require-distribution",), "--require-distribution"),
     (("-o", "require_distribution=true"), "the ini option require_distribution"),
@@ -163,9 +192,18 @@ def wait_for(predicate, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def start_a_hanging_session(inner) -> tuple:
-    inner.pytester.makepyfile(CELLS + "\ndef test_hangs(dist_ranks):\n    dist_ranks.run(sleep_forever)\n")
-    proc = inner.popen("-k", "hangs", "-s")
+HANGING_CELL = """
+import pytest
+
+@pytest.mark.cell(family="scenarios", row="hangs", column="colshard")
+def test_hangs(dist_ranks):
+    dist_ranks.run(sleep_forever)
+"""
+
+
+def start_a_hanging_session(inner, *args: str) -> tuple:
+    inner.pytester.makepyfile(CELLS + HANGING_CELL)
+    proc = inner.popen("-k", "hangs", "-s", *args)
 
     def rank_workers():
         found = [p for p in inner.leftovers() if any("rank_worker" in part for part in p.cmdline())]
@@ -183,6 +221,16 @@ def test_ctrl_c_leaves_no_process(inner):
     assert proc.returncode == INTERRUPTED, out
     assert "KeyboardInterrupt" in out
     wait_for(lambda: inner.leftovers() == [] and not any(alive(p) for p in ranks), 15, "no leftover process")
+
+
+def test_a_cell_interrupted_by_ctrl_c_is_interrupted_not_skipped(inner):
+    proc, ranks = start_a_hanging_session(inner, "--conformance-json", "r.json")
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == INTERRUPTED, out
+    (cell,) = json.loads((inner.pytester.path / "r.json").read_text())["cells"]
+    assert (cell["id"], cell["verdict"], cell["outcome"]) == ("test_hangs", None, "interrupted"), cell
+    assert "1 cells: 1 interrupted (1 interrupted)" in out
 
 
 def test_killed_controller_takes_its_ranks_along(inner):
