@@ -49,7 +49,7 @@ def _batch(model: str):
 
 
 def _sync(ctx) -> None:
-    if ctx is not None and ctx.backend == "nccl":
+    if ctx.backend == "nccl":
         import torch
 
         torch.cuda.synchronize()
@@ -65,7 +65,9 @@ def step_times(spec: dict, warmup: int, rounds: int, distributed: bool = True) -
     import torch
     import torch.distributed as dist
 
-    ctx = rank_context.current() if distributed else None
+    # Every pool process has a context, the single-process reference's included (world size 1,
+    # the session's backend): its steps run and are timed on the same device type as the ranks'.
+    ctx = rank_context.current()
     if distributed:
         keras.distribution.set_distribution(rank_train.make_distribution(spec["layout"]))
     keras.utils.set_random_seed(0)
