@@ -118,3 +118,41 @@ def test_an_expectations_file_requires_distribution(inner, fork_without_lib):
         "(although the build ships keras/src/backend/torch/distribution_lib.py)"
     ], output
     assert inner.leftovers() == []  # no rank started
+
+
+def _train_step_does(statement: str, name: str) -> Mutant:
+    """A trainer whose rank 0 runs ``statement`` before updating weights (as rank0-waits does)."""
+    return Mutant(name, f"rank 0's train step runs {statement}", (Patch(
+        "keras/src/backend/torch/trainer.py",
+        "            # Update weights\n            with torch.no_grad():\n",
+        "            # Update weights\n"
+        "            if torch.distributed.is_initialized() and torch.distributed.get_rank() == 0:\n"
+        f"                {statement}  # mutant\n"
+        "            with torch.no_grad():\n"),))
+
+
+DDP_PROBE = "Train one batch under DataParallel and count DistributedDataParallel.forward calls"
+
+
+def test_a_probe_that_hangs_is_a_no_that_says_so(keras_nightly_tree, tmp_path):
+    """A train step that waits (for a peer the one-process group does not have) gets an answer
+    within the probe's limit, not an import that times out after minutes."""
+    tree = write_mutant(keras_nightly_tree, str(tmp_path / "tree"),
+                        _train_step_does("__import__('time').sleep(3600)", "train-step-waits"))
+    build = probe_build(LaunchConfig(keras_path=tree, keras_home=str(tmp_path)), timeout=120, group_probe_limit=5)
+    assert build.capabilities == {"torch_distribution_lib": True, "model_parallel": True, "data_parallel": False}
+    assert build.capability_notes["data_parallel"] == f"probe hung: did not return within 5s ({DDP_PROBE})"
+    assert build.skip_reason is None  # the cells run, and the hang gets its own verdict there
+
+
+def test_a_probe_that_crashes_is_a_no_that_says_so(keras_nightly_tree, tmp_path):
+    """A rank-0-only ``recv`` in a one-process gloo group segfaults (measured): what the probe
+    printed before it started says which capability killed it."""
+    tree = write_mutant(keras_nightly_tree, str(tmp_path / "tree"), _train_step_does(
+        "__import__('os').kill(__import__('os').getpid(), __import__('signal').SIGSEGV)", "train-step-segfaults"))
+    build = probe(tree, tmp_path)
+    assert build.capabilities == {"torch_distribution_lib": True, "model_parallel": True, "data_parallel": False}
+    assert build.capability_notes["data_parallel"] == (
+        f"probe ended (killed by signal 11 (SIGSEGV)) while measuring it ({DDP_PROBE})"
+    )
+    assert build.capability_notes["model_parallel"] == "a sharded Dense kernel is a DTensor"
