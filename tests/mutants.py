@@ -174,12 +174,21 @@ CASES = (
             "grad-scale-one-rank",
             # Scaled and shifted: Adam's update is invariant to a scale alone (up to epsilon), so a
             # bare `g * 2` passes Adam cells within tolerance; the shift is what no optimizer cancels.
+            # On the local shard: a shift of a Partial DTensor would redistribute it, a collective
+            # that rank 0 never joins (a crash, which is not the bug this imitates).
             "a gradient corrupted (scaled and shifted) on rank 1 only (a wrong reduction or scale on one rank)",
             (Patch(TORCH + "trainer.py",
                    "            # Update weights\n            with torch.no_grad():\n",
                    "            # Update weights\n"
                    "            if torch.distributed.is_initialized() and torch.distributed.get_rank() == 1:\n"
-                   "                gradients = [None if g is None else g * 2 + 1e-2 for g in gradients]  # mutant\n"
+                   "                from torch.distributed.tensor import DTensor  # mutant\n"
+                   "                gradients = [  # mutant\n"
+                   "                    None if g is None else DTensor.from_local(\n"
+                   "                        g.to_local() * 2 + 1e-2, g.device_mesh, g.placements,\n"
+                   "                        run_check=False, shape=g.shape, stride=g.stride())\n"
+                   "                    if isinstance(g, DTensor) else g * 2 + 1e-2\n"
+                   "                    for g in gradients\n"
+                   "                ]\n"
                    "            with torch.no_grad():\n"),),
         ),
         {c: "numerics" for c in _ids(*_FIT)},
