@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -15,7 +17,9 @@ WORKFLOWS = sorted((ROOT / ".github" / "workflows").glob("*.yml"))
 
 
 def tool(name: str) -> str:
-    path = shutil.which(name)
+    """The test extra's console script: beside this interpreter (a venv run without activating it)
+    first, then on PATH."""
+    path = shutil.which(name, path=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
     if path is None:
         pytest.fail(f"{name} is not installed: pip install -e '.[test]'")
     return path
