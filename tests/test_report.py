@@ -47,7 +47,14 @@ def test_grid_counts_and_files(inner):
     assert result.returncode == 1, out
     assert "keras-dtensor-conformance report" in out and "M=mixed-tensor" in out
     section = out[out.index("keras-dtensor-conformance report"):]
-    grid = section[section.index("fit colshard"):].splitlines()
+    causes = section[section.index("failures by cause, largest first:"):section.index("\nfit colshard\n")]
+    assert causes.splitlines()[1:5] == [  # before the grids: one cluster per cause, largest first
+        "1 cells, 1 unexpected: compile-fallback: sgd broke on arrays",
+        "    shared: family fit colshard, optimizer sgd, data arrays; e.g. test_fit[arrays-sgd]",
+        "1 cells, 1 unexpected: mixed-tensor: adam broke on dataloader",
+        "    shared: family fit colshard, optimizer adam, data dataloader; e.g. test_fit[dataloader-adam]",
+    ]
+    grid = section[section.index("\nfit colshard\n") + 1:].splitlines()
     assert grid[1].split() == ["arrays", "dataloader"]
     assert grid[3].split() == ["adam", ".", "M"]
     assert grid[4].split() == ["sgd", "F", "."]
