@@ -49,3 +49,16 @@ def test_changed_lines_that_ran_and_that_did_not(keras_nightly_tree, tmp_path):
     assert summary["files"][RUN.path]["covered"] > 0
     assert (out / "html" / "index.html").is_file() and (out / "coverage.json").is_file()
     assert not list(out.glob(".coverage.*"))  # combined into one data file
+
+
+def test_nothing_measured_is_said_not_raised(tmp_path):
+    """A session whose ranks measured nothing (every cell skipped, or ranks under torchrun):
+    coverage has no report to write, and the run says why instead of failing at its end."""
+    from keras_dtensor_conformance import keras_coverage
+
+    (tmp_path / "keras" / "src").mkdir(parents=True)
+    summary = keras_coverage.combine_and_report(str(tmp_path / "cov"), str(tmp_path), ["keras/src"])
+    assert (summary["statements"], summary["files"]) == (0, {})
+    assert keras_coverage.summary_lines(summary, None, verbose=False) == [
+        "keras coverage: nothing measured: no spawned rank or reference of this session imported keras/src "
+        "(ranks under torchrun are not measured)"]
