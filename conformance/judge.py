@@ -4,22 +4,19 @@ The rank modules (``rank_*.py``) only gather evidence and return it as plain dat
 modules only run a cell and hand its evidence here. Each ``judge_*`` function raises
 ``CellFailure`` with the cell's verdict, or returns when the cell passes. Each check is a
 function of its own, named for what it proves, taking only the evidence it needs, so a reader
-sees what a verdict rests on.
+sees what a verdict rests on. The checks of training and op cells' evidence are plain functions
+returning ``(verdict, message)`` in ``fit_checks.py`` and ``op_checks.py``, which this module
+raises: a standalone reproducer (``--conformance-repro``) inlines those, so it judges with them too.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from conformance import oracle
-from conformance.compile_evidence import compile_problems
-from conformance.numerics import numerics_problems
-from conformance.rank_ops import NOT_A_TENSOR
-from conformance.sharding import sharding_problems
-from conformance.slots import slot_problems
+from conformance import fit_checks, oracle
+from conformance.op_checks import op_failure
 from keras_dtensor_conformance.verdicts import (
     _HANG_CONSEQUENCES,
-    COMPILE_FALLBACK,
     ERROR,
     HANG_VERDICT,
     NUMERICS,
@@ -33,6 +30,13 @@ def check(condition: bool, verdict: str, message: str, result) -> None:
     """Raise ``CellFailure(verdict, message)`` unless ``condition`` holds."""
     if not condition:
         raise CellFailure(verdict, message, result)
+
+
+def raise_found(found: tuple[str, str] | None, result) -> None:
+    """Raise ``CellFailure(verdict, message)`` for what a check of ``fit_checks`` or ``op_checks``
+    found (``(verdict, message)``; None: nothing)."""
+    if found is not None:
+        raise CellFailure(*found, result)
 
 
 def ran_everywhere(result) -> None:
@@ -49,57 +53,28 @@ def skip_if_not_in_build(result) -> None:
 
 
 # ---------------------------------------------------------------- training cells
+# The checks of a trained cell's evidence are ``conformance.fit_checks`` (plain functions, which a
+# training cell's standalone reproducer inlines); these raise what they find.
 def sharding_kept(spec: dict, values: list[dict], nproc: int, result) -> None:
-    """Every variable the layout shards, and every optimizer slot of it, is a DTensor as asked; and
-    every such variable has exactly the slots its optimizer keeps (``conformance.slots``), so a
-    slot the rank side could not find is a failure, not an empty list that passes."""
-    problems = []
-    layout = spec["layout"]
-    for rank, value in enumerate(values):
-        for stage, variables in value["stages"].items():
-            problems += sharding_problems(layout, variables, nproc, f"rank {rank} after {stage}: ", rank=rank)
-        full = [s for s in value["slots"] if s["factor"] is None]
-        problems += sharding_problems(layout, full, nproc, f"rank {rank} optimizer slot ", rank=rank)
-        missing = slot_problems(spec["optimizer_name"], layout, value["stages"]["fit"], value["slots"], nproc,
-                                f"rank {rank}: ", rank=rank)
-        if missing and value["unmatched_optimizer_variables"]:
-            missing.append(f"rank {rank}: optimizer variables that match no model variable: "
-                           + ", ".join(value["unmatched_optimizer_variables"]))
-        problems += missing
-    check(not problems, SHARDING_LOST, "\n".join(problems), result)
+    """Every sharded variable and each of its optimizer slots as the layout asks (``fit_checks.sharding_lost``)."""
+    raise_found(fit_checks.sharding_lost(spec, values, nproc), result)
 
 
 def reference_on_the_ranks_device(values: list[dict], reference: dict, result) -> None:
-    """The reference computed on the ranks' device type: the same Keras seed gives other initial
-    weights on cuda than on cpu, so a CPU reference for GPU ranks would blame Keras for the
-    harness' choice (``error``, not ``numerics``)."""
-    devices = sorted({v["device"] for v in values})
-    if devices != [reference["device"]]:
-        raise CellFailure(ERROR, f"the single-process reference computed on {reference['device']}, the ranks on "
-                          f"{', '.join(devices)}: their numbers are not comparable (a harness error)", result)
+    """The reference computed on the ranks' device type (``fit_checks.reference_elsewhere``)."""
+    raise_found(fit_checks.reference_elsewhere(values, reference), result)
 
 
 def numbers_match_reference(values: list[dict], reference, result) -> None:
-    """Losses, evaluate, predict and final weights equal the single-process reference's.
-
-    Skipped where the reference does not define the right numbers: a ``BatchNormalization``
-    (``synchronized=False``, the only value the torch backend accepts) under ``DataParallel``
-    with more than one batch shard normalizes with each process' LOCAL batch statistics, which
-    Keras documents ("each replica uses its own local batch statistics"), while the reference
-    normalizes the global batch. (Under ModelParallel the batch is one global DTensor, so the
-    statistics are global and the cell is compared as usual.)
-    """
+    """Losses, evaluate, predict and final weights equal the single-process reference's; skipped
+    where the reference does not define the right numbers (``fit_checks.local_batch_statistics``)."""
     if not reference.ok:
         raise CellFailure(ERROR, "the single-process reference failed:\n" + reference.story(), reference)
     reference_on_the_ranks_device(values, reference.values[0], result)
-    local = sorted({path for v in values if v["distribution"] == "DataParallel" and v["batch_part"][1] > 1
-                    for path in v["unsynchronized_batch_norm"]})
-    if local:
-        pytest.skip(f"{', '.join(local)}: BatchNormalization under DataParallel uses each process' local "
-                    "batch statistics (synchronized=True is TensorFlow-only), the single-process reference "
-                    "the global batch's: numbers not comparable")
-    problems = numerics_problems(values, reference.values[0])
-    check(not problems, NUMERICS, "\n".join(problems), result)
+    not_comparable = fit_checks.local_batch_statistics(values)
+    if not_comparable:
+        pytest.skip(not_comparable)
+    raise_found(fit_checks.numbers_differ(values, reference.values[0]), result)
 
 
 def numbers_match_oracle(spec: dict, values: list[dict], reference, result) -> None:
@@ -118,17 +93,8 @@ def numbers_match_oracle(spec: dict, values: list[dict], reference, result) -> N
 
 
 def really_compiled(spec: dict, values: list[dict], result) -> None:
-    """A ``jit`` cell's fit ran compiled graphs, and the whole step in them: model call, loss,
-    backward and optimizer update (torch._dynamo's own instrumentation; the rule and why it
-    holds are in ``conformance.compile_evidence``)."""
-    if spec["compile"] != "jit":
-        return
-    if any(v["compiled_graphs"] == 0 for v in values):
-        said = "; ".join(dict.fromkeys(w for v in values for w in v["warnings"])) or "no warning"
-        raise CellFailure(COMPILE_FALLBACK, f"jit_compile=True but torch._dynamo compiled no graph ({said})", result)
-    problems = [f"rank {rank}: {p}" for rank, v in enumerate(values) for p in compile_problems(v)]
-    check(not problems, COMPILE_FALLBACK,
-          "jit_compile=True but the train step did not run whole in compiled graphs:\n" + "\n".join(problems), result)
+    """A ``jit`` cell's fit ran the whole step compiled (``fit_checks.not_compiled``)."""
+    raise_found(fit_checks.not_compiled(spec, values), result)
 
 
 def judge_fit(spec: dict, result, reference, nproc: int) -> None:
@@ -143,45 +109,14 @@ def judge_fit(spec: dict, result, reference, nproc: int) -> None:
 
 
 # ---------------------------------------------------------------- op cells
-def op_placements_kept(op: str, values: list[dict], result) -> None:
-    """A tensor result is a DTensor with the placements DTensor's own propagation gives.
-
-    The expected placements come from torch: the same computation in plain torch on the same
-    DTensor (``rank_ops._torch_twins``; one list of placements per torch spelling of it, any of
-    which is right). Ops whose result is no tensor are exempt, as data (``rank_ops.NOT_A_TENSOR``).
-    """
-    if op in NOT_A_TENSOR:
-        return
-    for rank, value in enumerate(values):
-        got, want = value["placements"], value["expected_placements"]
-        said = "a plain tensor (not a DTensor)" if got is None else f"a DTensor with placements {got}"
-        check(got in want, SHARDING_LOST, f"rank {rank}: the result is {said}; DTensor's own propagation "
-              f"gives placements {' or '.join(map(str, want))}", result)
-
-
-def op_really_compiled(compile_mode: str, values: list[dict], result) -> None:
-    """A compiled cell compiles at least the graphs the same function compiles on plain tensors.
-
-    The control (``control_graphs``) is the same function compiled on plain tensors in the same
-    cell: an op with no tensor work (``shape``, ``is_tensor``) compiles no graph even there, and
-    so needs none on DTensors.
-    """
-    if compile_mode != "compiled":
-        return
-    for rank, value in enumerate(values):
-        got, control = value["compiled_graphs"], value["control_graphs"]
-        check(got >= control, COMPILE_FALLBACK, f"rank {rank}: torch.compile ran the op on DTensors but "
-              f"torch._dynamo compiled {got} graph(s), fewer than the {control} the same function compiles "
-              "on plain tensors", result)
-
-
 def judge_op(op: str, compile_mode: str, result) -> None:
-    """An op cell: ran, equals the same op on plain tensors, kept its placements, and compiled when asked."""
+    """An op cell: ran, equals the same op on plain tensors, kept its placements, and compiled when asked.
+
+    The checks are ``conformance.op_checks`` (plain functions of the ranks' evidence), which an op
+    cell's standalone reproducer inlines: the script and the suite judge with the same code.
+    """
     ran_everywhere(result)
-    for rank, value in enumerate(result.values):
-        check(value["match"], NUMERICS, f"rank {rank}: got {value['got']}, expected {value['expected']}", result)
-    op_placements_kept(op, result.values, result)
-    op_really_compiled(compile_mode, result.values, result)
+    raise_found(op_failure(op, compile_mode, result.values), result)
 
 
 # ---------------------------------------------------------------- setup cells

@@ -12,7 +12,7 @@ import dataclasses
 import json
 import re
 
-from conformance import rank_train
+from conformance import fit_checks, rank_train
 
 SAME_BUILD = "same build"
 
@@ -68,8 +68,7 @@ class References:
 
     @staticmethod
     def spec_for(spec: dict) -> dict:
-        return dict(spec, compile="spe4" if spec["compile"] == "spe4" else "nojit",
-                    layout={"kind": "single"}, layout_name="single")
+        return fit_checks.reference_spec(spec)
 
     def get(self, spec: dict):
         """The reference's PoolResult for ``spec`` (cached: failures too, they do not change)."""

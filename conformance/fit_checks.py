@@ -1,0 +1,98 @@
+"""Evidence -> verdict for a trained cell, as plain functions that a standalone reproducer can inline.
+
+``judge.judge_fit`` decides a training cell's verdict with these, and so does the script
+``--conformance-repro`` writes for a training cell (``fixtures/reproducers.py`` inlines this
+module's source after the modules it imports), so a contributor's script judges sharding,
+numbers against the single-process reference and compilation with the suite's own rules, not a
+copy. Each check returns ``(verdict, message)`` when the evidence fails it, or None; raising
+pytest's or the plugin's exceptions is the judge's part. The NumPy oracle is not here: it is
+judged by ``judge.numbers_match_oracle`` alone, and a reproducer does not run it.
+
+``values`` is what ``rank_train.train`` returns on each rank, in rank order; ``reference`` is what it
+returns in the single-process run of ``reference_spec(spec)``.
+"""
+
+from __future__ import annotations
+
+from conformance.compile_evidence import compile_problems
+from conformance.numerics import numerics_problems
+from conformance.sharding import sharding_problems
+from conformance.slots import slot_problems
+from keras_dtensor_conformance.verdicts import COMPILE_FALLBACK, ERROR, NUMERICS, SHARDING_LOST
+
+
+def reference_spec(spec: dict) -> dict:
+    """The single-process run a cell is compared with: the same model, seed, data and optimizer,
+    with no layout and no torch.compile (``spe4`` kept: it changes when metrics are read)."""
+    return dict(spec, compile="spe4" if spec["compile"] == "spe4" else "nojit",
+                layout={"kind": "single"}, layout_name="single")
+
+
+def sharding_lost(spec: dict, values: list[dict], nproc: int) -> tuple[str, str] | None:
+    """Every variable the layout shards, and every optimizer slot of it, is a DTensor as asked; and
+    every such variable has exactly the slots its optimizer keeps (``conformance.slots``), so a
+    slot the rank side could not find is a failure, not an empty list that passes."""
+    problems = []
+    layout = spec["layout"]
+    for rank, value in enumerate(values):
+        for stage, variables in value["stages"].items():
+            problems += sharding_problems(layout, variables, nproc, f"rank {rank} after {stage}: ", rank=rank)
+        full = [s for s in value["slots"] if s["factor"] is None]
+        problems += sharding_problems(layout, full, nproc, f"rank {rank} optimizer slot ", rank=rank)
+        missing = slot_problems(spec["optimizer_name"], layout, value["stages"]["fit"], value["slots"], nproc,
+                                f"rank {rank}: ", rank=rank)
+        if missing and value["unmatched_optimizer_variables"]:
+            missing.append(f"rank {rank}: optimizer variables that match no model variable: "
+                           + ", ".join(value["unmatched_optimizer_variables"]))
+        problems += missing
+    return (SHARDING_LOST, "\n".join(problems)) if problems else None
+
+
+def reference_elsewhere(values: list[dict], reference: dict) -> tuple[str, str] | None:
+    """The reference computed on the ranks' device type: the same Keras seed gives other initial
+    weights on cuda than on cpu, so a CPU reference for GPU ranks would blame Keras for the
+    harness' choice (``error``, not ``numerics``)."""
+    devices = sorted({v["device"] for v in values})
+    if devices != [reference["device"]]:
+        return ERROR, (f"the single-process reference computed on {reference['device']}, the ranks on "
+                       f"{', '.join(devices)}: their numbers are not comparable (a harness error)")
+    return None
+
+
+def local_batch_statistics(values: list[dict]) -> str | None:
+    """Why the reference does not define the right numbers, or None: a ``BatchNormalization``
+    (``synchronized=False``, the only value the torch backend accepts) under ``DataParallel`` with
+    more than one batch shard normalizes with each process' LOCAL batch statistics, which Keras
+    documents ("each replica uses its own local batch statistics"), while the reference normalizes
+    the global batch. (Under ModelParallel the batch is one global DTensor, so the statistics are
+    global and the cell is compared as usual.)"""
+    local = sorted({path for v in values if v["distribution"] == "DataParallel" and v["batch_part"][1] > 1
+                    for path in v["unsynchronized_batch_norm"]})
+    if not local:
+        return None
+    return (f"{', '.join(local)}: BatchNormalization under DataParallel uses each process' local batch "
+            "statistics (synchronized=True is TensorFlow-only), the single-process reference the global "
+            "batch's: numbers not comparable")
+
+
+def numbers_differ(values: list[dict], reference: dict) -> tuple[str, str] | None:
+    """Losses, evaluate, predict and final weights against the single-process reference's, and the
+    ranks against each other (``conformance.numerics``)."""
+    problems = numerics_problems(values, reference)
+    return (NUMERICS, "\n".join(problems)) if problems else None
+
+
+def not_compiled(spec: dict, values: list[dict]) -> tuple[str, str] | None:
+    """A ``jit`` cell's fit ran compiled graphs, and the whole step in them: model call, loss,
+    backward and optimizer update (torch._dynamo's own instrumentation; the rule and why it
+    holds are in ``conformance.compile_evidence``)."""
+    if spec["compile"] != "jit":
+        return None
+    if any(v["compiled_graphs"] == 0 for v in values):
+        said = "; ".join(dict.fromkeys(w for v in values for w in v["warnings"])) or "no warning"
+        return COMPILE_FALLBACK, f"jit_compile=True but torch._dynamo compiled no graph ({said})"
+    problems = [f"rank {rank}: {p}" for rank, v in enumerate(values) for p in compile_problems(v)]
+    if problems:
+        return COMPILE_FALLBACK, ("jit_compile=True but the train step did not run whole in compiled graphs:\n"
+                                  + "\n".join(problems))
+    return None

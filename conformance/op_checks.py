@@ -1,0 +1,68 @@
+"""Evidence -> verdict for op cells, as plain functions that a standalone reproducer can inline.
+
+``judge.judge_op`` decides an op cell's verdict here, and so does the script
+``--conformance-repro`` writes for an op cell (``fixtures/reproducers.py`` inlines this module's
+source), so the script a contributor runs judges with the suite's own rules, not a copy of them.
+That is why nothing here raises pytest's or the plugin's exceptions: each check returns
+``(verdict, message)`` for the first rank whose evidence fails it, or None. The verdict names are
+plain strings (a reproducer inlines them by value) and the only other import is rank_ops' list of
+ops whose result is not a tensor, which a reproducer inlines before this module.
+
+The evidence is what ``rank_ops.op_cell`` returns on each rank, in rank order.
+"""
+
+from __future__ import annotations
+
+from conformance.rank_ops import NOT_A_TENSOR
+from keras_dtensor_conformance.verdicts import COMPILE_FALLBACK, NUMERICS, SHARDING_LOST
+
+
+def op_value_matches(values: list[dict]) -> tuple[str, str] | None:
+    """The op's value equals the same op on plain tensors, on every rank."""
+    for rank, value in enumerate(values):
+        if not value["match"]:
+            return NUMERICS, f"rank {rank}: got {value['got']}, expected {value['expected']}"
+    return None
+
+
+def op_placements_kept(op: str, values: list[dict]) -> tuple[str, str] | None:
+    """A tensor result is a DTensor with the placements DTensor's own propagation gives.
+
+    The expected placements come from torch: the same computation in plain torch on the same
+    DTensor (``rank_ops._torch_twins``; one list of placements per torch spelling of it, any of
+    which is right). Ops whose result is no tensor are exempt, as data (``rank_ops.NOT_A_TENSOR``).
+    """
+    if op in NOT_A_TENSOR:
+        return None
+    for rank, value in enumerate(values):
+        got, want = value["placements"], value["expected_placements"]
+        if got not in want:
+            said = "a plain tensor (not a DTensor)" if got is None else f"a DTensor with placements {got}"
+            return SHARDING_LOST, (f"rank {rank}: the result is {said}; DTensor's own propagation gives "
+                                   f"placements {' or '.join(map(str, want))}")
+    return None
+
+
+def op_really_compiled(compile_mode: str, values: list[dict]) -> tuple[str, str] | None:
+    """A compiled cell compiles at least the graphs the same function compiles on plain tensors.
+
+    The control (``control_graphs``) is the same function compiled on plain tensors in the same
+    cell: an op with no tensor work (``shape``, ``is_tensor``) compiles no graph even there, and
+    so needs none on DTensors.
+    """
+    if compile_mode != "compiled":
+        return None
+    for rank, value in enumerate(values):
+        got, control = value["compiled_graphs"], value["control_graphs"]
+        if got < control:
+            return COMPILE_FALLBACK, (f"rank {rank}: torch.compile ran the op on DTensors but torch._dynamo "
+                                      f"compiled {got} graph(s), fewer than the {control} the same function "
+                                      "compiles on plain tensors")
+    return None
+
+
+def op_failure(op: str, compile_mode: str, values: list[dict]) -> tuple[str, str] | None:
+    """The first failed check's ``(verdict, message)`` of a cell that ran on every rank, in the
+    order a reader would ask: is the value right, is it still sharded, was it compiled; None: it passes."""
+    return (op_value_matches(values) or op_placements_kept(op, values)
+            or op_really_compiled(compile_mode, values))
