@@ -1,14 +1,19 @@
 """Rank side of step-time benchmarks: time one training step on every rank, inside the ranks.
 
 Timing across the pipe to the controller would add the dispatch to every round and hide
-what a step costs; here each round is: a barrier, a device sync, one ``train_on_batch``, a
-device sync, and the round's time is the maximum over ranks (the slowest rank sets the pace
-of synchronous training). A round is ``STEPS_PER_ROUND`` steps, reported per step. Warm-up steps run first, so compilation is not timed; every rank
-is told the same number of rounds, so all of them join every collective.
+what a step costs; here each round is: a barrier, a device sync, as many ``train_on_batch``
+calls as fill ``round_seconds`` (calibrated once, after warm-up, the same count on every rank),
+a device sync, reported per step; its wall time is the maximum over
+ranks (the slowest rank sets the pace of synchronous training), and every rank's CPU time is
+reported beside it. Warm-up steps run first, so compilation is not timed; every rank is told
+the same number of rounds, so all of them join every collective. ``open_bench`` and
+``time_rounds`` are separate calls so the controller can interleave one benchmark's rounds
+with another pool's (another build, or the single-process step) round by round.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -55,19 +60,41 @@ def _sync(ctx) -> None:
         torch.cuda.synchronize()
 
 
-#: Steps per timed round: a round's barrier and all-reduce then weigh less against the work.
-STEPS_PER_ROUND = 5
+#: The shortest a timed round may be. Rounds of a few steps (tens of ms) on this 2-core machine
+#: are dominated by when the scheduler happens to run each rank: five-step rounds of a 12 ms step
+#: varied by a factor of two, a paired log-ratio's standard deviation was 0.25. Longer rounds
+#: average that out, as pytest-benchmark's own ``min_time`` calibration of iterations does.
+ROUND_SECONDS = 0.1
+
+#: Steps timed to calibrate a round's step count, after warm-up.
+CALIBRATION_STEPS = 3
+
+#: The model a benchmark's first call built and warmed up, timed by the calls that continue it
+#: (``isolate=False``): one benchmark's rounds can then interleave with another pool's rounds.
+_OPEN: dict = {}
 
 
-def step_times(spec: dict, warmup: int, rounds: int, distributed: bool = True) -> dict:
-    """Per-step time of each round in seconds (max over ranks), after ``warmup`` untimed steps."""
-    import keras
+def _slowest(seconds: float, distributed: bool) -> float:
+    """The largest of every rank's ``seconds`` (on the group's device: NCCL takes no CPU tensor)."""
+    if not distributed:
+        return seconds
     import torch
     import torch.distributed as dist
 
-    # Every pool process has a context, the single-process reference's included (world size 1,
-    # the session's backend): its steps run and are timed on the same device type as the ranks'.
-    ctx = rank_context.current()
+    value = torch.tensor([seconds], dtype=torch.float64, device=rank_context.current().torch_device())
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value.item())
+
+
+def open_bench(spec: dict, warmup: int, distributed: bool = True, round_seconds: float = ROUND_SECONDS) -> dict:
+    """Build the cell's model, run ``warmup`` untimed steps (compilation included) and keep it.
+
+    Then time a few steps and choose how many steps a round takes to last ``round_seconds``;
+    every rank gets the same count (from the slowest rank), so all of them join every collective.
+    """
+    import keras
+
+    _OPEN.clear()
     if distributed:
         keras.distribution.set_distribution(rank_train.make_distribution(spec["layout"]))
     keras.utils.set_random_seed(0)
@@ -77,18 +104,57 @@ def step_times(spec: dict, warmup: int, rounds: int, distributed: bool = True) -
     x, y = _batch(spec["model"])
     for _ in range(warmup):
         model.train_on_batch(x, y)
-    times = []
+    ctx = rank_context.current()
+    _sync(ctx)
+    start = time.perf_counter()
+    for _ in range(CALIBRATION_STEPS):
+        model.train_on_batch(x, y)
+    _sync(ctx)
+    step = _slowest((time.perf_counter() - start) / CALIBRATION_STEPS, distributed)
+    steps = max(1, math.ceil(round_seconds / max(step, 1e-9)))
+    _OPEN.update(model=model, batch=(x, y), distributed=distributed, steps=steps)
+    return {"batch": BATCH, "steps_per_round": steps}
+
+
+def time_rounds(rounds: int) -> dict:
+    """Per-step wall and CPU time of ``rounds`` rounds of the open benchmark.
+
+    Wall: a round's elapsed time, the slowest rank's. CPU: the process CPU time (every thread:
+    torch's intra-op pool included) each rank spent in the round, per rank and the largest; a
+    rank that waits in a collective, or is descheduled by another process, spends none, so it
+    moves less than wall time with the machine's load.
+    """
+    import torch
+    import torch.distributed as dist
+
+    ctx = rank_context.current()
+    model, (x, y), distributed, steps = _OPEN["model"], _OPEN["batch"], _OPEN["distributed"], _OPEN["steps"]
+    world = dist.get_world_size() if distributed else 1
+    rank = dist.get_rank() if distributed else 0
+    wall, cpu, cpu_ranks = [], [], []
     for _ in range(rounds):
         if distributed:
             dist.barrier()
         _sync(ctx)
-        start = time.perf_counter()
-        for _ in range(STEPS_PER_ROUND):
+        start, start_cpu = time.perf_counter(), time.process_time()
+        for _ in range(steps):
             model.train_on_batch(x, y)
         _sync(ctx)
-        elapsed = torch.tensor([(time.perf_counter() - start) / STEPS_PER_ROUND], dtype=torch.float64,
-                               device=ctx.torch_device())  # on the group's device: NCCL takes no CPU tensor
+        elapsed, elapsed_cpu = time.perf_counter() - start, time.process_time() - start_cpu
+        # One slot per rank, summed: every rank's numbers (on the group's device: NCCL takes no CPU tensor).
+        sample = torch.zeros(2, world, dtype=torch.float64, device=ctx.torch_device())
+        sample[0, rank], sample[1, rank] = elapsed / steps, elapsed_cpu / steps
         if distributed:
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        times.append(float(elapsed.item()))
-    return {"times": times, "batch": BATCH}
+            dist.all_reduce(sample)
+        walls, cpus = sample.tolist()
+        wall.append(max(walls))
+        cpu.append(max(cpus))
+        cpu_ranks.append(cpus)
+    return {"wall": wall, "cpu": cpu, "cpu_ranks": cpu_ranks}
+
+
+def step_times(spec: dict, warmup: int, rounds: int, distributed: bool = True,
+               round_seconds: float = ROUND_SECONDS) -> dict:
+    """Open a benchmark and time ``rounds`` rounds of it in one call (no other pool interleaves)."""
+    opened = open_bench(spec, warmup, distributed, round_seconds)
+    return {**time_rounds(rounds), **opened}

@@ -60,6 +60,39 @@ SLOW_OPTIMIZER = Mutant(
 )
 
 
+def slow_step(fraction: float) -> Mutant:
+    """Every optimizer update adds ``fraction`` of a training step's CPU time in busy host work.
+
+    Calibrated at run time: the update measures the process CPU time between its own calls (one
+    step, less the work it added itself), takes the median of the last five (a round's boundary,
+    or another pool's round in between, is then an outlier) and spins until the process has spent
+    that fraction more, so the step costs ``fraction`` more CPU on any machine and any model,
+    loaded or not. CPU time, not wall time: a rank's step spends part of its wall time waiting in
+    collectives, so a spin of 10 % of the wall step made the CPU step 13-16 % dearer here (and the
+    wall step 11-15 %), a larger regression than the one it was named for.
+    """
+    name = f"slow-step-{round(fraction * 100)}pct"
+    return Mutant(
+        name=name,
+        imitates=f"a {fraction:.0%} step-time regression in the optimizer update",
+        patches=(
+            Patch(
+                "keras/src/optimizers/base_optimizer.py",
+                "        if len(grads) == 0:\n            # It is possible that the grad is empty. In this case,\n",
+                f"        _clock, _state = __import__(\"time\").process_time, globals().setdefault(\"_MUTANT\", {{}})  # {name}\n"
+                "        _now = _clock()\n"
+                "        if \"last\" in _state:\n"
+                "            _state[\"steps\"] = (_state.get(\"steps\", []) + [_now - _state[\"last\"] - _state[\"spun\"]])[-5:]\n"
+                f"            _end = _now + {fraction!r} * sorted(_state[\"steps\"])[len(_state[\"steps\"]) // 2]\n"
+                "            while _clock() < _end:\n"
+                "                pass\n"
+                "        _state[\"last\"], _state[\"spun\"] = _now, _clock() - _now\n"
+                "        if len(grads) == 0:\n            # It is possible that the grad is empty. In this case,\n",
+            ),
+        ),
+    )
+
+
 # ------------------------------------------------------------------ the bug-imitating mutants
 TORCH = "keras/src/backend/torch/"
 

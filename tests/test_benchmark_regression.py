@@ -43,3 +43,7 @@ def test_compare_fail_flags_a_slowed_optimizer_and_not_a_rerun(keras_nightly_tre
     assert slowed.returncode != 0, output[-3000:]
     assert "Performance has regressed" in output
     assert "mlp-sgd-dataparallel-nojit" in output[output.index("Performance has regressed"):]
+    # The builds' banners are in pytest-benchmark's machine info: it says the two runs differ, and
+    # does not crash on storage outside the current folder (ionelmc/pytest-benchmark#217).
+    assert "machine_info is different" in output and '"keras_path": "' + mutant in output
+    assert "INTERNALERROR" not in output

@@ -79,7 +79,9 @@ def test_header_lines_come_after_collection_when_no_option_was_given(inner):
     (("--rank-timeout", "0"), "ERROR: --rank-timeout 0.0: must be positive"),
     (("--dist-backend", "nccl", "--nproc", "64"), "ERROR: --dist-backend nccl needs one GPU per rank: --nproc 64, "),
     (("-o", "nproc=three"), "ERROR: the ini option nproc = 'three': expected an integer"),
-], ids=["nproc", "rank-timeout", "nccl", "ini-type"])
+    (("--benchmark-ratio-fail", "1.05"), "ERROR: --benchmark-ratio-fail 1.05: needs --benchmark-against PATH"),
+    (("--benchmark-pairs", "1"), "ERROR: --benchmark-pairs 1: needs at least two rounds for an interval"),
+], ids=["nproc", "rank-timeout", "nccl", "ini-type", "ratio-fail-alone", "one-pair"])
 def test_bad_input_that_needs_no_keras_is_rejected_before_the_probe(inner, broken_keras, args, error):
     """Had the build been probed first, the error would name the broken Keras instead."""
     if "nccl" in args:
