@@ -4,8 +4,7 @@ Timing across the pipe to the controller would add the dispatch to every round a
 what a step costs; here each round is: a barrier, a device sync, as many ``train_on_batch``
 calls as fill ``round_seconds`` (calibrated once, after warm-up, the same count on every rank),
 a device sync, reported per step; its wall time is the maximum over
-ranks (the slowest rank sets the pace of synchronous training), and every rank's CPU time is
-reported beside it. Warm-up steps run first, so compilation is not timed; every rank is told
+ranks (the slowest rank sets the pace of synchronous training), and so is its CPU time. Warm-up steps run first, so compilation is not timed; every rank is told
 the same number of rounds, so all of them join every collective. ``open_bench`` and
 ``time_rounds`` are separate calls so the controller can interleave one benchmark's rounds
 with another pool's (another build, or the single-process step) round by round.
@@ -74,16 +73,16 @@ CALIBRATION_STEPS = 3
 _OPEN: dict = {}
 
 
-def _slowest(seconds: float, distributed: bool) -> float:
-    """The largest of every rank's ``seconds`` (on the group's device: NCCL takes no CPU tensor)."""
+def _slowest(values: list[float], distributed: bool) -> list[float]:
+    """Each of ``values``, the largest over ranks (on the group's device: NCCL takes no CPU tensor)."""
     if not distributed:
-        return seconds
+        return values
     import torch
     import torch.distributed as dist
 
-    value = torch.tensor([seconds], dtype=torch.float64, device=rank_context.current().torch_device())
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return float(value.item())
+    tensor = torch.tensor(values, dtype=torch.float64, device=rank_context.current().torch_device())
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
 
 
 def open_bench(spec: dict, warmup: int, distributed: bool = True, round_seconds: float = ROUND_SECONDS) -> dict:
@@ -110,28 +109,24 @@ def open_bench(spec: dict, warmup: int, distributed: bool = True, round_seconds:
     for _ in range(CALIBRATION_STEPS):
         model.train_on_batch(x, y)
     _sync(ctx)
-    step = _slowest((time.perf_counter() - start) / CALIBRATION_STEPS, distributed)
+    (step,) = _slowest([(time.perf_counter() - start) / CALIBRATION_STEPS], distributed)
     steps = max(1, math.ceil(round_seconds / max(step, 1e-9)))
     _OPEN.update(model=model, batch=(x, y), distributed=distributed, steps=steps)
     return {"batch": BATCH, "steps_per_round": steps}
 
 
 def time_rounds(rounds: int) -> dict:
-    """Per-step wall and CPU time of ``rounds`` rounds of the open benchmark.
+    """Per-step wall and CPU time of ``rounds`` rounds of the open benchmark, each the slowest rank's.
 
-    Wall: a round's elapsed time, the slowest rank's. CPU: the process CPU time (every thread:
-    torch's intra-op pool included) each rank spent in the round, per rank and the largest; a
-    rank that waits in a collective, or is descheduled by another process, spends none, so it
-    moves less than wall time with the machine's load.
+    Wall: a round's elapsed time. CPU: the process CPU time (every thread: torch's intra-op pool
+    included) a rank spent in the round; a rank that waits in a collective, or is descheduled by
+    another process, spends none, so it moves less than wall time with the machine's load.
     """
-    import torch
     import torch.distributed as dist
 
     ctx = rank_context.current()
     model, (x, y), distributed, steps = _OPEN["model"], _OPEN["batch"], _OPEN["distributed"], _OPEN["steps"]
-    world = dist.get_world_size() if distributed else 1
-    rank = dist.get_rank() if distributed else 0
-    wall, cpu, cpu_ranks = [], [], []
+    wall, cpu = [], []
     for _ in range(rounds):
         if distributed:
             dist.barrier()
@@ -140,17 +135,10 @@ def time_rounds(rounds: int) -> dict:
         for _ in range(steps):
             model.train_on_batch(x, y)
         _sync(ctx)
-        elapsed, elapsed_cpu = time.perf_counter() - start, time.process_time() - start_cpu
-        # One slot per rank, summed: every rank's numbers (on the group's device: NCCL takes no CPU tensor).
-        sample = torch.zeros(2, world, dtype=torch.float64, device=ctx.torch_device())
-        sample[0, rank], sample[1, rank] = elapsed / steps, elapsed_cpu / steps
-        if distributed:
-            dist.all_reduce(sample)
-        walls, cpus = sample.tolist()
-        wall.append(max(walls))
-        cpu.append(max(cpus))
-        cpu_ranks.append(cpus)
-    return {"wall": wall, "cpu": cpu, "cpu_ranks": cpu_ranks}
+        elapsed, elapsed_cpu = _slowest([time.perf_counter() - start, time.process_time() - start_cpu], distributed)
+        wall.append(elapsed / steps)
+        cpu.append(elapsed_cpu / steps)
+    return {"wall": wall, "cpu": cpu}
 
 
 def step_times(spec: dict, warmup: int, rounds: int, distributed: bool = True,

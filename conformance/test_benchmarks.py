@@ -24,6 +24,7 @@ from conformance import axes, rank_bench
 from conformance.judge import ran_everywhere
 from keras_dtensor_conformance import paired_rounds
 from keras_dtensor_conformance.benchmarking import rank_clock, record_rank_rounds
+from keras_dtensor_conformance.options import RATIO_STATS as STATS
 
 pytestmark = pytest.mark.benchmark(timer=rank_clock)
 
@@ -32,7 +33,6 @@ MODELS = ("mlp", "attention", "embedding")
 OPTIMIZERS = ("sgd", "adam", "adamw", "lion")
 LAYOUTS = ("colshard", "rowshard", "replicated", "dataparallel")
 COMPILE = ("nojit", "jit")
-STATS = ("wall", "cpu")
 
 
 def bench_spec(model, optimizer, layout, compile_mode) -> dict:
@@ -102,7 +102,7 @@ def one_round(pool) -> dict:
     result = pool.run(rank_bench.time_rounds, 1, isolate=False)
     ran_everywhere(result)
     value = result.values[0]
-    return {"wall": value["wall"][0], "cpu": value["cpu"][0], "cpu_ranks": value["cpu_ranks"][0]}
+    return {stat: value[stat][0] for stat in STATS}
 
 
 def ratios(samples: dict, numerator: str, denominator: str, seed: str) -> dict:
@@ -147,10 +147,12 @@ def test_step_time(benchmark, request, keras_ranks, single_process, against_rank
     record_rank_rounds(benchmark, wall)
     threshold = conformance_state.options["benchmark_ratio_fail"]
     stat = conformance_state.options["benchmark_ratio_stat"]
-    if threshold is not None and paired_rounds.above(entry["against"][stat], threshold):
-        pytest.fail(f"{stat} step time {paired_rounds.describe(entry['against'][stat])} of --benchmark-against's "
-                    f"({entry['against'][stat]['pairs']} interleaved pairs, "
-                    f"{entry['against'][stat]['confidence']:.0%} interval): wholly above "
+    if threshold is None:
+        return
+    interval = entry["against"][stat]
+    if paired_rounds.above(interval, threshold):
+        pytest.fail(f"{stat} step time {paired_rounds.describe(interval)} of --benchmark-against's "
+                    f"({interval['pairs']} interleaved pairs, {interval['confidence']:.0%} interval): wholly above "
                     f"--benchmark-ratio-fail {threshold:g}", pytrace=False)
 
 

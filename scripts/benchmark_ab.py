@@ -30,11 +30,11 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from keras_dtensor_conformance.paired_rounds import TRIM  # noqa: E402
+from keras_dtensor_conformance.options import RATIO_STATS as STATS  # noqa: E402
+from keras_dtensor_conformance.paired_rounds import TRIM, describe  # noqa: E402
 from tests.mutants import slow_step, write_mutant  # noqa: E402
 
 CELL = "test_step_time and mlp-adam-dataparallel-nojit"
-STATS = ("wall", "cpu")
 
 
 def installed_keras_tree(dest: str) -> str:
@@ -132,7 +132,7 @@ def main() -> int:
                 result = session(build, against, args, os.path.join(work, f"{kind}{i}.json"))
                 runs[kind].append(result)
                 r = result["ratios"]
-                print(f"session {i + 1} {kind:6s} wall {fmt(r['wall'])}  cpu {fmt(r['cpu'])}  "
+                print(f"session {i + 1} {kind:6s} wall {describe(r['wall'])}  cpu {describe(r['cpu'])}  "
                       f"{'FLAGGED' if result['flagged'] else 'not flagged'} ({result['seconds']} s)", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -158,10 +158,6 @@ def main() -> int:
             json.dump({"args": vars(args), "runs": runs, "flagged": flagged, "scaling": scaling}, f, indent=1)
     ok = flagged["mutant"] == args.sessions and flagged["same"] == 0
     return 0 if ok or not args.check else 1
-
-
-def fmt(interval: dict) -> str:
-    return f"{interval['ratio']:.3f}x [{interval['low']:.3f}, {interval['high']:.3f}]"
 
 
 if __name__ == "__main__":
