@@ -3,9 +3,10 @@
 Timing across the pipe to the controller would add the dispatch to every round and hide
 what a step costs; here each round is: a barrier, a device sync, as many ``train_on_batch``
 calls as fill ``round_seconds`` (calibrated once, after warm-up, the same count on every rank),
-a device sync, reported per step; its wall time is the maximum over
-ranks (the slowest rank sets the pace of synchronous training), and so is its CPU time. Warm-up steps run first, so compilation is not timed; every rank is told
-the same number of rounds, so all of them join every collective. ``open_bench`` and
+a device sync, reported per step; its wall time is the maximum over ranks (the slowest rank
+sets the pace of synchronous training), and so is its CPU time. Warm-up steps run first, so
+compilation is not timed; every rank is told the same number of rounds, so all of them join
+every collective. ``open_bench`` and
 ``time_rounds`` are separate calls so the controller can interleave one benchmark's rounds
 with another pool's (another build, or the single-process step) round by round.
 """
