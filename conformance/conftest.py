@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from conformance import axes, oracle
+from conformance import axes
+from conformance.judge import oracle
 from conformance.reference import OtherBuild, References
 
 

@@ -12,7 +12,8 @@ import dataclasses
 import json
 import re
 
-from conformance import fit_checks, rank_train
+from conformance.judge import fit_checks
+from conformance.ranks import train as rank_train
 
 SAME_BUILD = "same build"
 

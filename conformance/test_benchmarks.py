@@ -19,12 +19,12 @@ import random
 import statistics
 
 import pytest
+from keras_dtensor_conformance import RATIO_STATS as STATS
+from keras_dtensor_conformance import paired_rounds, rank_clock, record_rank_rounds
 
-from conformance import axes, rank_bench
+from conformance import axes
 from conformance.judge import ran_everywhere
-from keras_dtensor_conformance import paired_rounds
-from keras_dtensor_conformance.benchmarking import rank_clock, record_rank_rounds
-from keras_dtensor_conformance.options import RATIO_STATS as STATS
+from conformance.ranks import bench as rank_bench
 
 pytestmark = pytest.mark.benchmark(timer=rank_clock)
 

@@ -11,8 +11,9 @@ import importlib.util
 
 import pytest
 
-from conformance import axes, rank_train
+from conformance import axes
 from conformance.judge import judge_fit, skip_if_not_in_build
+from conformance.ranks import train as rank_train
 
 
 def test_fit(training_cell, keras_ranks, reference_for, request):

@@ -12,8 +12,8 @@ import itertools
 
 import pytest
 
-from conformance import rank_ops
 from conformance.judge import judge_op
+from conformance.ranks import ops as rank_ops
 
 
 def op_params() -> list:

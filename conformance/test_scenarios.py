@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from conformance import rank_scenarios
 from conformance.judge import judge_scenario
+from conformance.ranks import scenarios as rank_scenarios
 
 #: A correct build finishes these in milliseconds; a hang costs this, plus a restart. A scenario's
 #: optional fourth field holds its extra marks.

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from conformance import rank_setup
 from conformance.judge import judge_setup
-
+from conformance.ranks import setup_cells as rank_setup
 
 SETUP_PARAMS = [
     pytest.param(entry, id=entry.replace("_", "-"),

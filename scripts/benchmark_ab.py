@@ -30,8 +30,9 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from keras_dtensor_conformance.bench.paired_rounds import TRIM, describe  # noqa: E402
 from keras_dtensor_conformance.options import RATIO_STATS as STATS  # noqa: E402
-from keras_dtensor_conformance.paired_rounds import TRIM, describe  # noqa: E402
+
 from tests.mutants import slow_step, write_mutant  # noqa: E402
 
 CELL = "test_step_time and mlp-adam-dataparallel-nojit"

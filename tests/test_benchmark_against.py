@@ -15,8 +15,7 @@ import subprocess
 import sys
 
 import pytest
-
-from keras_dtensor_conformance import paired_rounds
+from keras_dtensor_conformance.bench import paired_rounds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -105,7 +104,7 @@ def test_a_call_that_continues_the_last_one_skips_the_reset(monkeypatch):
     with ``isolate=False`` runs without the reset between cells; every other call is reset first."""
     from types import SimpleNamespace
 
-    from keras_dtensor_conformance import rank_worker
+    from keras_dtensor_conformance.rank import worker as rank_worker
 
     resets = []
     monkeypatch.setattr(rank_worker.isolation, "reset_all", resets.append)

@@ -11,9 +11,8 @@ both fully capable.
 from __future__ import annotations
 
 import pytest
-
-from keras_dtensor_conformance.build import probe_build
-from keras_dtensor_conformance.launch import LaunchConfig
+from keras_dtensor_conformance.controller.build import probe_build
+from keras_dtensor_conformance.controller.launch import LaunchConfig
 
 from tests.mutants import Mutant, Patch, write_mutant
 

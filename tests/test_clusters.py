@@ -11,13 +11,12 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from keras_dtensor_conformance import causes, clusters
-from keras_dtensor_conformance.cells import CellRecord
-from keras_dtensor_conformance.compare import compare_reports
-from keras_dtensor_conformance.outcomes import CRASH, ERROR, OK, PoolResult, RankError, RankOutcome
-from keras_dtensor_conformance.render_markdown import markdown
-from keras_dtensor_conformance.results import build_report
+from keras_dtensor_conformance.rank.outcomes import CRASH, ERROR, OK, PoolResult, RankError, RankOutcome
+from keras_dtensor_conformance.report import causes, clusters
+from keras_dtensor_conformance.report.compare import compare_reports
+from keras_dtensor_conformance.report.markdown import markdown
+from keras_dtensor_conformance.report.recorder import CellRecord
+from keras_dtensor_conformance.report.results import build_report
 
 from tests import mutants
 from tests.test_mutants import run_suite

@@ -15,7 +15,6 @@ import subprocess
 import sys
 
 import pytest
-
 from keras_dtensor_conformance import early_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -8,9 +8,8 @@ ratio is in README. No timing is asserted here: speed is measured, never a pass/
 from __future__ import annotations
 
 import pytest
-
-from keras_dtensor_conformance import rank_calls
-from keras_dtensor_conformance.rank_pool import RankPool
+from keras_dtensor_conformance.controller.rank_pool import RankPool
+from keras_dtensor_conformance.rank import calls as rank_calls
 
 
 @pytest.mark.benchmark(group="dispatch: empty call on all ranks")

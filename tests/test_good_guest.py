@@ -14,8 +14,8 @@ import subprocess
 import types
 
 import pytest
-
 from keras_dtensor_conformance import options
+
 from tests.test_session import USAGE_ERROR, only_error_line
 
 UNRELATED = "def test_arithmetic():\n    assert 1 + 1 == 2\n"

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from conformance import axes, rank_train
-from conformance.sharding import sharding_problems
+from conformance import axes
+from conformance.judge.sharding import sharding_problems
+from conformance.ranks import train as rank_train
 
 COLSHARD = axes.LAYOUTS["colshard"]
 

@@ -54,7 +54,7 @@ def test_changed_lines_that_ran_and_that_did_not(keras_nightly_tree, tmp_path):
 def test_nothing_measured_is_said_not_raised(tmp_path):
     """A session whose ranks measured nothing (every cell skipped, or ranks under torchrun):
     coverage has no report to write, and the run says why instead of failing at its end."""
-    from keras_dtensor_conformance import keras_coverage
+    from keras_dtensor_conformance.report import coverage as keras_coverage
 
     (tmp_path / "keras" / "src").mkdir(parents=True)
     summary = keras_coverage.combine_and_report(str(tmp_path / "cov"), str(tmp_path), ["keras/src"])

@@ -11,8 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conformance import axes, rank_train
-from conformance.numerics import numerics_problems
+from conformance import axes
+from conformance.judge.numerics import numerics_problems
+from conformance.ranks import train as rank_train
 
 NPROCS = (1, 2, 3, 4, 8)
 

@@ -9,11 +9,11 @@ never compares anything.
 from __future__ import annotations
 
 import pytest
-
-from conformance import rank_ops
-from conformance.judge import judge_op
-from keras_dtensor_conformance.outcomes import OK, PoolResult, RankOutcome
+from keras_dtensor_conformance.rank.outcomes import OK, PoolResult, RankOutcome
 from keras_dtensor_conformance.verdicts import COMPILE_FALLBACK, SHARDING_LOST, CellFailure
+
+from conformance.judge import judge_op
+from conformance.ranks import ops as rank_ops
 
 
 def op_verdict(keras_ranks, op, operand, placement, compile_mode) -> str:
@@ -28,11 +28,10 @@ def op_verdict(keras_ranks, op, operand, placement, compile_mode) -> str:
 def mask_partial_evidence() -> dict:
     """An embedding lookup in a ``Shard(0)`` table: a ``_MaskPartial`` DTensor, read by the helper."""
     import torch
+    from keras_dtensor_conformance.rank import context as rank_context
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.tensor.experimental import implicit_replication
-
-    from keras_dtensor_conformance import rank_context
 
     mesh = init_device_mesh("cpu", (rank_context.current().world_size,))
     table = torch.arange(32, dtype=torch.float32).reshape(4, 8)

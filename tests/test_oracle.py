@@ -18,7 +18,9 @@ import xml.etree.ElementTree as ET
 import numpy as np
 import pytest
 
-from conformance import axes, oracle, rank_train
+from conformance import axes
+from conformance.judge import oracle
+from conformance.ranks import train as rank_train
 from tests import mutants
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -12,8 +12,8 @@ import uuid
 
 import psutil
 import pytest
+from keras_dtensor_conformance.rank.outcomes import CRASH, ERROR, HANG, RankFailure
 
-from keras_dtensor_conformance.outcomes import CRASH, ERROR, HANG, RankFailure
 from tests import torch_cells
 
 

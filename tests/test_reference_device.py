@@ -11,12 +11,13 @@ from __future__ import annotations
 import types
 
 import pytest
-
-from conformance import axes, rank_train
-from conformance.judge import judge_fit, reference_on_the_ranks_device
-from keras_dtensor_conformance.launch import LaunchConfig
-from keras_dtensor_conformance.pools import PoolManager
+from keras_dtensor_conformance.controller.launch import LaunchConfig
+from keras_dtensor_conformance.controller.pools import PoolManager
 from keras_dtensor_conformance.verdicts import ERROR, CellFailure
+
+from conformance import axes
+from conformance.judge import judge_fit, reference_on_the_ranks_device
+from conformance.ranks import train as rank_train
 
 
 @pytest.mark.parametrize("backend", ["gloo", "nccl"])

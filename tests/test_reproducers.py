@@ -14,10 +14,10 @@ import sys
 import time
 
 import pytest
+from keras_dtensor_conformance.report import clusters, reproducers
 
-from conformance import fit_checks, numerics, op_checks, rank_ops
-from keras_dtensor_conformance import clusters, reproducers
-
+from conformance.judge import fit_checks, numerics, op_checks
+from conformance.ranks import ops as rank_ops
 from tests import mutants
 from tests.test_mutants import run_suite
 
@@ -191,7 +191,7 @@ def test_every_cluster_gets_a_script_or_says_why(tmp_path):
 
 def test_a_name_defined_twice_is_refused(monkeypatch):
     """Inlined modules share the script's namespace: one that redefines another's name is refused."""
-    modules = ("conformance.rank_ops", "conformance.op_checks", "conformance.numerics", "conformance.numerics")
+    modules = ("conformance.ranks.ops", "conformance.judge.op_checks", "conformance.judge.numerics", "conformance.judge.numerics")
     monkeypatch.setattr(reproducers, "FAMILIES", (dataclasses.replace(reproducers.OPS, modules=modules),))
     op = {"op": "add", "operand": "tensor", "placement": "shard1", "compile_mode": "compiled"}
     with pytest.raises(RuntimeError, match="would define TOLERANCES twice"):
@@ -202,4 +202,4 @@ def test_a_name_defined_twice_is_refused(monkeypatch):
 def test_a_script_that_would_import_this_project_is_not_written():
     """``oracle`` imports the module ``rank_train`` (not a constant, not inlined before it)."""
     with pytest.raises(RuntimeError, match=r"would import this project: from conformance import rank_train"):
-        reproducers.inlined_source(("conformance.oracle",))
+        reproducers.inlined_source(("conformance.judge.oracle",))

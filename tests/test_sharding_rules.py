@@ -1,7 +1,7 @@
 """The expected local shapes follow torch's own chunking rule, uneven splits included.
 
 With ``--nproc 3`` the suite once expected 16 columns split 5/5/5 and blamed Keras for torch's
-6/6/4. These tests hold ``conformance.sharding`` to torch (``torch.chunk`` and DTensor's
+6/6/4. These tests hold ``conformance.judge.sharding`` to torch (``torch.chunk`` and DTensor's
 ``Shard.local_shard_size_and_offset``), not to a formula of ours.
 """
 
@@ -12,7 +12,7 @@ import torch
 from torch.distributed.tensor import Shard
 
 from conformance import axes
-from conformance.sharding import intended, mesh_coordinate, shard_size, sharding_problems
+from conformance.judge.sharding import intended, mesh_coordinate, shard_size, sharding_problems
 
 COLSHARD = axes.LAYOUTS["colshard"]
 KERNEL = "mlp/dense_a/kernel"

@@ -11,10 +11,11 @@ from __future__ import annotations
 import copy
 
 import pytest
-
-from conformance import axes, compile_evidence, rank_train, slots
-from conformance.judge import really_compiled, sharding_kept
 from keras_dtensor_conformance.verdicts import COMPILE_FALLBACK, SHARDING_LOST, CellFailure
+
+from conformance import axes
+from conformance.judge import compile_evidence, really_compiled, sharding_kept, slots
+from conformance.ranks import train as rank_train
 
 COLSHARD = axes.LAYOUTS["colshard"]
 KERNEL = {"path": "mlp/dense_a/kernel", "shape": (8, 16), "dtensor": True, "placements": ["R", "S(1)"],

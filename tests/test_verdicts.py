@@ -5,9 +5,7 @@ from __future__ import annotations
 import copy
 import re
 
-from conformance import axes, rank_train
-from conformance.judge import judge_fit
-from keras_dtensor_conformance.outcomes import HANG
+from keras_dtensor_conformance.rank.outcomes import HANG
 from keras_dtensor_conformance.verdicts import (
     COMPILE_FALLBACK,
     COMPILE_TIMEOUT,
@@ -20,6 +18,10 @@ from keras_dtensor_conformance.verdicts import (
     CellFailure,
     classify_failure,
 )
+
+from conformance import axes
+from conformance.judge import judge_fit
+from conformance.ranks import train as rank_train
 from tests import torch_cells, verdict_cells
 
 

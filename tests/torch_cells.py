@@ -14,10 +14,9 @@ import time
 
 import torch
 import torch.distributed as dist
+from keras_dtensor_conformance.rank import context as rank_context
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-
-from keras_dtensor_conformance import rank_context
 
 
 def _mesh():

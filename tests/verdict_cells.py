@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
-
-from keras_dtensor_conformance import rank_context
+from keras_dtensor_conformance.rank import context as rank_context
 
 
 def _model_parallel_dtensor():

@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 
 import torch.distributed as dist
-
-from conformance import axes, rank_train
-from keras_dtensor_conformance.torchrun_pool import TorchrunPool
+from keras_dtensor_conformance.controller.torchrun_pool import TorchrunPool
 from keras_dtensor_conformance.verdicts import ERROR, classify_failure
+
+from conformance import axes
+from conformance.ranks import train as rank_train
 from tests import torch_cells
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from conformance.sharding import MESH_AXES, intended
+from conformance.judge.sharding import MESH_AXES, intended
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,11 +14,12 @@ returns in the single-process run of ``reference_spec(spec)``.
 
 from __future__ import annotations
 
-from conformance.compile_evidence import compile_problems
-from conformance.numerics import numerics_problems
-from conformance.sharding import sharding_problems
-from conformance.slots import slot_problems
-from keras_dtensor_conformance.verdicts import COMPILE_FALLBACK, ERROR, NUMERICS, SHARDING_LOST
+from keras_dtensor_conformance import COMPILE_FALLBACK, ERROR, NUMERICS, SHARDING_LOST
+
+from conformance.judge.compile_evidence import compile_problems
+from conformance.judge.numerics import numerics_problems
+from conformance.judge.sharding import sharding_problems
+from conformance.judge.slots import slot_problems
 
 
 def reference_spec(spec: dict) -> dict:
@@ -30,7 +31,7 @@ def reference_spec(spec: dict) -> dict:
 
 def sharding_lost(spec: dict, values: list[dict], nproc: int) -> tuple[str, str] | None:
     """Every variable the layout shards, and every optimizer slot of it, is a DTensor as asked; and
-    every such variable has exactly the slots its optimizer keeps (``conformance.slots``), so a
+    every such variable has exactly the slots its optimizer keeps (``conformance.judge.slots``), so a
     slot the rank side could not find is a failure, not an empty list that passes."""
     problems = []
     layout = spec["layout"]
@@ -77,7 +78,7 @@ def local_batch_statistics(values: list[dict]) -> str | None:
 
 def numbers_differ(values: list[dict], reference: dict) -> tuple[str, str] | None:
     """Losses, evaluate, predict and final weights against the single-process reference's, and the
-    ranks against each other (``conformance.numerics``)."""
+    ranks against each other (``conformance.judge.numerics``)."""
     problems = numerics_problems(values, reference)
     return (NUMERICS, "\n".join(problems)) if problems else None
 
@@ -85,7 +86,7 @@ def numbers_differ(values: list[dict], reference: dict) -> tuple[str, str] | Non
 def not_compiled(spec: dict, values: list[dict]) -> tuple[str, str] | None:
     """A ``jit`` cell's fit ran compiled graphs, and the whole step in them: model call, loss,
     backward and optimizer update (torch._dynamo's own instrumentation; the rule and why it
-    holds are in ``conformance.compile_evidence``)."""
+    holds are in ``conformance.judge.compile_evidence``)."""
     if spec["compile"] != "jit":
         return None
     if any(v["compiled_graphs"] == 0 for v in values):

@@ -17,7 +17,6 @@ of the cell's kind. The rank gathers three kinds of evidence for the judge:
 from __future__ import annotations
 
 import numpy as np
-
 from keras_dtensor_conformance import rank_context
 
 ROWS, COLS = 4, 8

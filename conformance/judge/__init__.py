@@ -12,18 +12,18 @@ raises: a standalone reproducer (``--conformance-repro``) inlines those, so it j
 from __future__ import annotations
 
 import pytest
-
-from conformance import fit_checks, oracle
-from conformance.op_checks import op_failure
-from keras_dtensor_conformance.verdicts import (
-    _HANG_CONSEQUENCES,
+from keras_dtensor_conformance import (
     ERROR,
+    HANG_CONSEQUENCES,
     HANG_VERDICT,
     NUMERICS,
     SHARDING_LOST,
     CellFailure,
     fail,
 )
+
+from conformance.judge import fit_checks, oracle
+from conformance.judge.op_checks import op_failure
 
 
 def check(condition: bool, verdict: str, message: str, result) -> None:
@@ -53,7 +53,7 @@ def skip_if_not_in_build(result) -> None:
 
 
 # ---------------------------------------------------------------- training cells
-# The checks of a trained cell's evidence are ``conformance.fit_checks`` (plain functions, which a
+# The checks of a trained cell's evidence are ``conformance.judge.fit_checks`` (plain functions, which a
 # training cell's standalone reproducer inlines); these raise what they find.
 def sharding_kept(spec: dict, values: list[dict], nproc: int, result) -> None:
     """Every sharded variable and each of its optimizer slots as the layout asks (``fit_checks.sharding_lost``)."""
@@ -112,7 +112,7 @@ def judge_fit(spec: dict, result, reference, nproc: int) -> None:
 def judge_op(op: str, compile_mode: str, result) -> None:
     """An op cell: ran, equals the same op on plain tensors, kept its placements, and compiled when asked.
 
-    The checks are ``conformance.op_checks`` (plain functions of the ranks' evidence), which an op
+    The checks are ``conformance.judge.op_checks`` (plain functions of the ranks' evidence), which an op
     cell's standalone reproducer inlines: the script and the suite judge with the same code.
     """
     ran_everywhere(result)
@@ -157,7 +157,7 @@ def _judge_kernel_kept(v, r):
 #: own timeouts or lost connections (that is a hang seen from inside), while every rank finishes
 #: training with its kernel still sharded.
 RANK0_RAISE_WITHIN_S = 5.0
-NOT_A_CLEAR_ERROR = _HANG_CONSEQUENCES
+NOT_A_CLEAR_ERROR = HANG_CONSEQUENCES
 
 
 def _judge_rank_zero_only(v, r):

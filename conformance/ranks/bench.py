@@ -17,9 +17,9 @@ import math
 import time
 
 import numpy as np
-
-from conformance import rank_train
 from keras_dtensor_conformance import rank_context
+
+from conformance.ranks import train as rank_train
 
 BATCH = 64
 

@@ -9,9 +9,10 @@ import os
 import tempfile
 
 import numpy as np
-
-from conformance import axes, rank_train
 from keras_dtensor_conformance import rank_context
+
+from conformance import axes
+from conformance.ranks import train as rank_train
 
 COLSHARD = axes.LAYOUTS["colshard"]
 ROWSHARD = axes.LAYOUTS["rowshard"]

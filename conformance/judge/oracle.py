@@ -18,7 +18,7 @@ import dataclasses
 
 import numpy as np
 
-from conformance import rank_train
+from conformance.ranks import train as rank_train
 
 #: The build computes in float32, the oracle in float64: the build's rounding (~6e-8 relative
 #: per operation) accumulates over the forward, backward and update of each of the STEPS steps.

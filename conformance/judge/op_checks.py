@@ -13,8 +13,9 @@ The evidence is what ``rank_ops.op_cell`` returns on each rank, in rank order.
 
 from __future__ import annotations
 
-from conformance.rank_ops import NOT_A_TENSOR
-from keras_dtensor_conformance.verdicts import COMPILE_FALLBACK, NUMERICS, SHARDING_LOST
+from keras_dtensor_conformance import COMPILE_FALLBACK, NUMERICS, SHARDING_LOST
+
+from conformance.ranks.ops import NOT_A_TENSOR
 
 
 def op_value_matches(values: list[dict]) -> tuple[str, str] | None:

@@ -12,7 +12,6 @@ import re
 import warnings
 
 import numpy as np
-
 from keras_dtensor_conformance import rank_context
 
 STEPS = 4
@@ -77,7 +76,7 @@ def batch_part(layout: dict, rank: int, nproc: int) -> tuple[int, int]:
         return 0, 1
     if layout["kind"] == "data-parallel":
         return rank, nproc
-    from conformance.sharding import mesh_shape
+    from conformance.judge.sharding import mesh_shape
 
     batch, model = mesh_shape(layout, nproc)
     return rank // model, batch
@@ -247,7 +246,7 @@ def _describe_slots(model) -> tuple[list[dict], list[str]]:
     optimizer variables with that name and shape, in creation order (Keras creates them variable
     by variable), so two kernels whose vectors share a shape each get their own.
     """
-    from conformance.slots import factored_shapes
+    from conformance.judge.slots import factored_shapes
 
     claimed: set[int] = set()
     slots = []
@@ -300,7 +299,7 @@ def _reason_head(reason: str) -> str:
 
 
 def _compiled_during(before: dict, after: dict) -> dict:
-    """What dynamo did during ``fit``, as plain data for the judge (``conformance.compile_evidence``):
+    """What dynamo did during ``fit``, as plain data for the judge (``conformance.judge.compile_evidence``):
 
     - ``compiled_graphs``: graphs compiled; ``aot_graphs``: graphs AOTAutograd compiled (or
       loaded from its cache) with their backward;
