@@ -86,7 +86,7 @@ def baselines(request, conformance_state, single_process) -> Baselines:
     return Baselines(single_process, conformance_state.options["benchmark_pairs"], round_seconds(request.config))
 
 
-def describe(benchmark, conformance_state, times: list[float], batch: int, **extra) -> None:
+def record_extra_info(benchmark, conformance_state, times: list[float], batch: int, **extra) -> None:
     median = statistics.median(times)
     benchmark.extra_info.update(
         build=conformance_state.build.banner(conformance_state.nproc, conformance_state.backend),
@@ -138,7 +138,7 @@ def test_step_time(benchmark, request, keras_ranks, single_process, against_rank
         entry["against"] = ratios(samples, "dist", "against", f"{cell}:against")
     conformance_state.bench_ratios.append(entry)
     wall = [s["wall"] for s in samples["dist"]]
-    describe(benchmark, conformance_state, wall, rank_bench.BATCH,
+    record_extra_info(benchmark, conformance_state, wall, rank_bench.BATCH,
              dtensor_overhead=round(entry["overhead"]["wall"]["ratio"], 3),
              cpu_per_step_s=statistics.median(s["cpu"] for s in samples["dist"]),
              steps_per_round=steps_per_round,
@@ -151,7 +151,7 @@ def test_step_time(benchmark, request, keras_ranks, single_process, against_rank
         return
     interval = entry["against"][stat]
     if paired_rounds.above(interval, threshold):
-        pytest.fail(f"{stat} step time {paired_rounds.describe(interval)} of --benchmark-against's "
+        pytest.fail(f"{stat} step time {paired_rounds.interval_text(interval)} of --benchmark-against's "
                     f"({interval['pairs']} interleaved pairs, {interval['confidence']:.0%} interval): wholly above "
                     f"--benchmark-ratio-fail {threshold:g}", pytrace=False)
 
@@ -162,5 +162,5 @@ def test_step_time(benchmark, request, keras_ranks, single_process, against_rank
 def test_step_time_single_process(benchmark, baselines, conformance_state, model, optimizer, compile_mode):
     benchmark.group = f"{model}-{optimizer}-{compile_mode}"
     times = baselines.times(model, optimizer, compile_mode)
-    describe(benchmark, conformance_state, times, rank_bench.BATCH, dtensor_overhead=1.0)
+    record_extra_info(benchmark, conformance_state, times, rank_bench.BATCH, dtensor_overhead=1.0)
     record_rank_rounds(benchmark, times)

@@ -30,7 +30,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from keras_dtensor_conformance.bench.paired_rounds import TRIM, describe  # noqa: E402
+from keras_dtensor_conformance.bench.paired_rounds import TRIM, interval_text  # noqa: E402
 from keras_dtensor_conformance.options import RATIO_STATS as STATS  # noqa: E402
 
 from tests.mutants import slow_step, write_mutant  # noqa: E402
@@ -133,7 +133,7 @@ def main() -> int:
                 result = session(build, against, args, os.path.join(work, f"{kind}{i}.json"))
                 runs[kind].append(result)
                 r = result["ratios"]
-                print(f"session {i + 1} {kind:6s} wall {describe(r['wall'])}  cpu {describe(r['cpu'])}  "
+                print(f"session {i + 1} {kind:6s} wall {interval_text(r['wall'])}  cpu {interval_text(r['cpu'])}  "
                       f"{'FLAGGED' if result['flagged'] else 'not flagged'} ({result['seconds']} s)", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from keras_dtensor_conformance.rank.outcomes import CRASH, ERROR, OK, PoolResult, RankError, RankOutcome
+from keras_dtensor_conformance.rank.outcomes import CRASH, OK, RAISED, PoolResult, RankError, RankOutcome
 from keras_dtensor_conformance.report import causes, clusters
 from keras_dtensor_conformance.report.compare import compare_reports
 from keras_dtensor_conformance.report.markdown import markdown
@@ -65,7 +65,7 @@ def keras_file(build_tree) -> str:
 
 
 def test_the_cause_is_the_innermost_exception_at_the_builds_innermost_frame(build_tree):
-    result = PoolResult("train", [RankOutcome(0, ERROR, error=raised(build_tree, [24, 6]), failed_at=1.0),
+    result = PoolResult("train", [RankOutcome(0, RAISED, error=raised(build_tree, [24, 6]), failed_at=1.0),
                                   RankOutcome(1, OK)])
     assert causes.cause_of("message", result, keras_file(build_tree)) == {
         "exception": "RuntimeError: aten.<op>: got mixed torch.Tensor and DTensor, shape [N, N]",
@@ -90,7 +90,7 @@ def test_a_crash_is_placed_at_the_dying_threads_innermost_frame_of_the_build(bui
         f'  File "{ops}", line 2 in dispatch\n  File "{ops}", line 6 in call\n\n'
     )
     crash = RankOutcome(0, CRASH, exitcode=-6, stderr=stderr, failed_at=2.0)
-    peer = RankOutcome(1, ERROR, error=RankError("RuntimeError", "x", "", [
+    peer = RankOutcome(1, RAISED, error=RankError("RuntimeError", "x", "", [
         "RuntimeError: [/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:61667: Connection reset by peer"]),
         failed_at=1.0)
     cause = causes.cause_of("message", PoolResult("f", [crash, peer]), keras_file(build_tree))
@@ -133,7 +133,7 @@ def test_clusters_are_largest_first_with_what_their_cells_share():
 def test_compare_says_which_clusters_are_new_gone_grown_and_shrunk():
     old = clusters.clusters(CELLS[:2] + [cell("g", "numerics", exception="diff")])
     new = clusters.clusters(CELLS)
-    change = clusters.compare(old, new)
+    change = clusters.changes(old, new)
     assert [c["cells"] for c in change["new"]] == [1] and change["new"][0]["key"].startswith("error | IndexError")
     assert change["gone"] == [{"key": "numerics | diff | ", "cells": 1}]
     assert change["grown"] == [{"key": "compile-fallback | no graph | ", "old": 2, "new": 3}]
@@ -144,9 +144,9 @@ def test_reports_lead_with_clusters_and_carry_no_ansi_codes(build_tree):
     error = raised(build_tree, [2, 3])
     record = CellRecord("test_fit[x]", "conformance/test_fit.py::test_fit[x]", "fit colshard", "sgd", "arrays/n",
                         {"optimizer": "sgd"}, verdict="mixed-tensor", outcome="failed",
-                        message=f"{BOLD}mixed{RESET}", ranks=[{"rank": 0, "status": ERROR, "headline": f"{BOLD}h{RESET}",
+                        message=f"{BOLD}mixed{RESET}", ranks=[{"rank": 0, "status": RAISED, "headline": f"{BOLD}h{RESET}",
                                                               "story": error.traceback, "duration": 0.1}],
-                        cause=causes.cause_of("", PoolResult("f", [RankOutcome(0, ERROR, error=error)]),
+                        cause=causes.cause_of("", PoolResult("f", [RankOutcome(0, RAISED, error=error)]),
                                               keras_file(build_tree)))
     report = build_report([record], {"keras_version": "3"}, 1.0)
     assert "\x1b" not in json.dumps(report)

@@ -85,7 +85,7 @@ def test_header_lines_come_after_collection_when_no_option_was_given(inner):
 def test_bad_input_that_needs_no_keras_is_rejected_before_the_probe(inner, broken_keras, args, error):
     """Had the build been probed first, the error would name the broken Keras instead."""
     if "nccl" in args:
-        from keras_dtensor_conformance.plugin import visible_gpus
+        from keras_dtensor_conformance.session import visible_gpus
 
         if visible_gpus() >= 64:
             pytest.skip("this machine has 64 GPUs")

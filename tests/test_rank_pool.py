@@ -12,7 +12,7 @@ import uuid
 
 import psutil
 import pytest
-from keras_dtensor_conformance.rank.outcomes import CRASH, ERROR, HANG, RankFailure
+from keras_dtensor_conformance.rank.outcomes import CRASH, HANG, RAISED, RankFailure
 
 from tests import torch_cells
 
@@ -48,7 +48,7 @@ def test_exception_on_one_rank_fails_with_every_ranks_story(dist_ranks):
     result = dist_ranks.run(torch_cells.raise_on_rank, 1)
     assert not result.ok
     bad, waiting = result.outcomes[1], result.outcomes[0]
-    assert bad.status == ERROR
+    assert bad.status == RAISED
     assert bad.error.type == "ValueError"
     assert "deliberate failure on rank 1" in bad.error.message
     assert "raise_on_rank" in bad.error.traceback
@@ -69,7 +69,7 @@ def test_exception_on_every_rank_keeps_the_pool(dist_ranks):
     dist_ranks.run(torch_cells.whoami)
     pids = dist_ranks.pids
     result = dist_ranks.run(torch_cells.raise_everywhere)
-    assert [o.status for o in result.outcomes] == [ERROR] * dist_ranks.nproc
+    assert [o.status for o in result.outcomes] == [RAISED] * dist_ranks.nproc
     assert not result.pool_restarted
     assert dist_ranks.pids == pids
     assert_pool_works(dist_ranks)
@@ -103,7 +103,7 @@ def test_crash_names_the_rank_and_its_exit(dist_ranks, how, exitcode, words):
     assert "about to die" in dead.stderr
     if how == "segv":
         assert "Segmentation fault" in dead.stderr  # faulthandler's dump of the dying rank
-    assert result.outcomes[0].status in (ERROR, HANG)  # its peer vanished mid-collective
+    assert result.outcomes[0].status in (RAISED, HANG)  # its peer vanished mid-collective
     assert result.pool_restarted
     assert_pool_works(dist_ranks)
 
@@ -114,7 +114,7 @@ def test_a_segfault_is_named_before_the_connection_reset_it_caused(dist_ranks):
     result = dist_ranks.run(torch_cells.segfault_while_peer_in_collective, 1)
     dead, peer = result.outcomes[1], result.outcomes[0]
     assert dead.status == CRASH, result.story()
-    assert peer.status == ERROR and peer.lost_peer, result.story()
+    assert peer.status == RAISED and peer.lost_peer, result.story()
     assert result.first_failure() is dead
     summary = result.summary()
     assert re.search(
@@ -191,9 +191,9 @@ def test_run_refuses_a_function_the_ranks_cannot_import(dist_ranks):
 
 def test_unpicklable_return_value_is_the_ranks_error(dist_ranks):
     result = dist_ranks.run(torch_cells.return_unpicklable)
-    assert result.status == ERROR
+    assert result.status == RAISED
     assert "cannot be sent to the controller" in result.outcomes[0].error.message
-    assert result.outcomes[0].status == ERROR
+    assert result.outcomes[0].status == RAISED
     assert_pool_works(dist_ranks)
 
 

@@ -206,7 +206,7 @@ def start_a_hanging_session(inner, *args: str) -> tuple:
     proc = inner.popen("-k", "hangs", "-s", *args)
 
     def rank_workers():
-        found = [p for p in inner.leftovers() if any("rank_worker" in part for part in p.cmdline())]
+        found = [p for p in inner.leftovers() if any(part.endswith("rank.worker") for part in p.cmdline())]
         return found if len(found) == 2 else None
 
     ranks = wait_for(rank_workers, 120, "the ranks to start")
@@ -231,6 +231,22 @@ def test_a_cell_interrupted_by_ctrl_c_is_interrupted_not_skipped(inner):
     (cell,) = json.loads((inner.pytester.path / "r.json").read_text())["cells"]
     assert (cell["id"], cell["verdict"], cell["outcome"]) == ("test_hangs", None, "interrupted"), cell
     assert "1 cells: 1 interrupted (1 interrupted)" in out
+
+
+def test_sigterm_ends_the_session_as_ctrl_c_does(inner):
+    """``timeout`` or a CI job's time limit sends SIGTERM: the running cell is interrupted, the
+    reports are still written and no rank is left behind (by default SIGTERM would end pytest at
+    once, with no summary and no files)."""
+    proc, ranks = start_a_hanging_session(inner, "--conformance-json", "r.json", "--conformance-html", "r.html")
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == INTERRUPTED, out
+    assert "SIGTERM received" in out
+    (cell,) = json.loads((inner.pytester.path / "r.json").read_text())["cells"]
+    assert (cell["id"], cell["verdict"], cell["outcome"]) == ("test_hangs", None, "interrupted"), cell
+    assert (inner.pytester.path / "r.html").is_file()
+    assert "1 cells: 1 interrupted (1 interrupted)" in out
+    wait_for(lambda: inner.leftovers() == [] and not any(alive(p) for p in ranks), 15, "no leftover process")
 
 
 def test_killed_controller_takes_its_ranks_along(inner):

@@ -208,7 +208,6 @@ SCENARIO_JUDGES = {
     "iterate": _judge_iterate,
     "partial": _judge_partial,
     "uneven": _judge_uneven,
-    "kernel-kept": _judge_kernel_kept,
     "rank-zero-only": _judge_rank_zero_only,
     "changed": _judge_changed,
     "cleared": _judge_cleared,

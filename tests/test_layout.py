@@ -1,0 +1,73 @@
+"""The tree shows the roles, and the rank side keeps to itself.
+
+As pytest-xdist keeps ``remote.py`` (what runs in a worker) free of the rest of xdist, the code
+that runs in a rank process (``fixtures/rank/`` and the suite's ``conformance/ranks/``) imports
+nothing from the controller side or the report: a rank needs only itself, torch and the build.
+And the suite (``conformance/``) uses the plugin only through the names its package exports.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import keras_dtensor_conformance
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = "keras_dtensor_conformance"
+#: What a rank may not import: the pytest process's side of the ranks (pools, session, plugin), the
+#: report, and the suite's fixtures that drive pools. The suite's judge is not among them: its checks
+#: are pure functions of evidence, which the reproducer scripts run on their ranks too.
+CONTROLLER_SIDE = (f"{PACKAGE}.controller", f"{PACKAGE}.report", f"{PACKAGE}.bench.plugin", f"{PACKAGE}.plugin",
+                   f"{PACKAGE}.session", "conformance.conftest", "conformance.reference", "conformance.test_")
+
+
+def imported_modules(path: pathlib.Path) -> list[tuple[int, str]]:
+    """Every module an import statement of ``path`` names (anywhere in the file, lazy imports too),
+    with ``from PKG import name`` counted as ``PKG.name`` (it may be a submodule)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.lineno, node.module))
+            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+    return found
+
+
+def violations(files: list[pathlib.Path], forbidden: tuple[str, ...]) -> list[str]:
+    return [f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}:{line} imports {name}"
+            for path in files for line, name in imported_modules(path)
+            if any(name == f or name.startswith(f if f.endswith("_") else f + ".") for f in forbidden)]
+
+
+def rank_side_files() -> list[pathlib.Path]:
+    return sorted([*(ROOT / "fixtures" / "rank").glob("*.py"), *(ROOT / "conformance" / "ranks").glob("*.py")])
+
+
+def test_the_rank_side_imports_nothing_from_the_controller_side():
+    assert rank_side_files(), "no rank-side modules found: the layout changed"
+    assert violations(rank_side_files(), CONTROLLER_SIDE) == []
+
+
+def test_the_check_sees_a_forbidden_import(tmp_path):
+    """The check itself can fail: a rank module with a lazy import of the pool is caught."""
+    bad = tmp_path / "worker.py"
+    bad.write_text("def f():\n    from keras_dtensor_conformance.controller.rank_pool import RankPool\n")
+    assert violations([bad], CONTROLLER_SIDE) == [
+        f"{bad}:2 imports {PACKAGE}.controller.rank_pool", f"{bad}:2 imports {PACKAGE}.controller.rank_pool.RankPool"]
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "conformance").rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_suite_uses_only_the_plugins_public_names(path):
+    """``conformance/`` imports ``from keras_dtensor_conformance import NAME`` with NAME in ``__all__``:
+    no submodule, no private name (the public contract between the plugin and the suite)."""
+    bad = []
+    for line, name in imported_modules(path):
+        if not name.startswith(PACKAGE):
+            continue
+        leaf = name[len(PACKAGE) + 1:]
+        if name != PACKAGE and leaf not in keras_dtensor_conformance.__all__:
+            bad.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
+    assert bad == []
