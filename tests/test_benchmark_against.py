@@ -3,7 +3,7 @@
 The statistics are checked on numbers whose answer is known; the whole machinery (two builds'
 rank pools in one session, rounds interleaved, the verdict, pytest-benchmark's JSON) by the short
 version of scripts/benchmark_ab.py that CI runs: a build made twice as slow is flagged at 1.25,
-the same build against a copy of itself is not. The 10 % proof on this machine is in README.
+the same build against a copy of itself is not. The 10 % proof on this machine is in docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 warm pool, against starting fresh rank processes (interpreter, torch import, group) for it.
 
 The two are in one benchmark group, so pytest-benchmark's table shows them side by side; the
-ratio is in README. No timing is asserted here: speed is measured, never a pass/fail rule.
+ratio is in docs/measurements.md. No timing is asserted here: speed is measured, never a pass/fail rule.
 """
 
 from __future__ import annotations
