@@ -89,7 +89,7 @@ def test_the_first_failure_names_the_verdict_not_a_later_crash(dist_ranks):
     """A rank raises a real no-sharding-strategy error; another dies a second later. The cell is
     judged by the bug that came first, not by the worst status."""
     result = dist_ranks.run(torch_cells.no_strategy_then_crash_on_rank, 1)
-    assert [o.status for o in result.outcomes[:2]] == ["error", "crash"], result.story()
+    assert [o.status for o in result.outcomes[:2]] == ["raised", "crash"], result.story()
     verdict, message = classify_failure(result)
     assert verdict == NO_SHARDING_STRATEGY, message
     assert "; first failure: rank 0 " in message.splitlines()[0]

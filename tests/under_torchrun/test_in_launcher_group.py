@@ -31,7 +31,7 @@ def test_exception_on_one_rank_reaches_every_rank(dist_ranks):
     """Only the last rank raises; every rank learns it, and all reach the same verdict naming it."""
     bad = dist_ranks.nproc - 1
     result = dist_ranks.run(torch_cells.raise_on_rank_only, bad)
-    assert [o.status for o in result.outcomes] == ["ok"] * bad + ["error"]
+    assert [o.status for o in result.outcomes] == ["ok"] * bad + ["raised"]
     assert [o.value for o in result.outcomes[:bad]] == list(range(bad))
     assert f"deliberate failure on rank {bad} only" in result.outcomes[bad].error.message
     verdict, message = classify_failure(result)
