@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.metadata
+import pathlib
+import re
 import subprocess
 import sys
 
@@ -70,3 +72,32 @@ def test_importing_the_module_imports_no_torch():
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+PRIVATE_TORCH_IMPORT = re.compile(r"^\s*(?:from\s+(torch[\w.]*)\s+import\s+(.*)|import\s+(torch[\w.]*))", re.M)
+
+
+def private_torch_imports(path: pathlib.Path) -> list[str]:
+    """Import statements of a private torch module or name (``torch._dynamo.utils``, ``import _pop_mode``)."""
+    found = []
+    for match in PRIVATE_TORCH_IMPORT.finditer(path.read_text(encoding="utf-8")):
+        module = match.group(1) or match.group(3)
+        names = [n.strip() for n in (match.group(2) or "").strip("()").split(",")]
+        if "._" in module or any(n.startswith("_") for n in names):
+            found.append(match.group(0).strip())
+    return found
+
+
+def test_private_torch_is_imported_here_or_listed_here():
+    """A private torch import outside ``torch_internals`` is in a module a reproducer inlines, which
+    ``torch_internals``' docstring names (a script can import nothing of this project)."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    listed = torch_internals.__doc__
+    unlisted = {}
+    for path in sorted([*(root / "fixtures").rglob("*.py"), *(root / "conformance").rglob("*.py")]):
+        if path.name == "torch_internals.py":
+            continue
+        relative = path.relative_to(root).as_posix()
+        if private_torch_imports(path) and f"``{relative}``" not in listed:
+            unlisted[relative] = private_torch_imports(path)
+    assert unlisted == {}
