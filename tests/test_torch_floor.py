@@ -101,3 +101,20 @@ def test_private_torch_is_imported_here_or_listed_here():
         if private_torch_imports(path) and f"``{relative}``" not in listed:
             unlisted[relative] = private_torch_imports(path)
     assert unlisted == {}
+
+
+def test_a_session_on_an_older_torch_is_one_error_line(inner):
+    """The session's activation asks ``unsupported_torch`` before the build probe: an older torch
+    (faked here by the inner session's conftest, in its metadata) is exit 4 with one ``ERROR:`` line."""
+    inner.pytester.makeconftest("""
+import importlib.metadata
+
+real = importlib.metadata.version
+importlib.metadata.version = lambda name: "2.11.0+cpu" if name == "torch" else real(name)
+""")
+    inner.pytester.makepyfile("def test_cell(dist_ranks):\n    pass\n")
+    result = inner.run()
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("ERROR:")]
+    assert result.returncode == 4 and errors == [
+        'ERROR: torch 2.11.0+cpu is older than 2.13, the oldest torch this suite was run on: pip install "torch>=2.13"'
+    ], result.stdout + result.stderr
