@@ -34,8 +34,15 @@ def test_requirements_are_a_torch_range_and_no_keras():
     assert not {"keras", "keras-nightly"} & set(deps)
     torch = deps["torch"].specifier
     # CUDA builds carry a local version label; a range admits them, a pin to another version would not.
-    assert all(torch.contains(v) for v in ("2.12.0+cu126", "2.13.0+cu128", "2.13.0+cpu", "2.14.0"))
-    assert not torch.contains("2.4.1")
+    assert all(torch.contains(v) for v in ("2.13.0+cu128", "2.13.0+cpu", "2.14.0", "2.15.0+cu130"))
+    assert not torch.contains("2.12.1+cu126")
+
+
+def test_the_declared_floor_is_the_one_the_plugin_names():
+    """pyproject's torch>= and torch_internals.TORCH_FLOOR (what an older torch's error names) agree."""
+    from keras_dtensor_conformance.torch_internals import TORCH_FLOOR
+
+    assert str(requirements(project()["dependencies"])["torch"].specifier) == f">={TORCH_FLOOR}"
 
 
 def test_the_default_build_and_the_cpu_pin_are_opt_in():

@@ -81,3 +81,25 @@ def test_every_gating_leg_can_be_green():
             assert expectations == ""  # no torch distribution: every cell skips, said once
             continue
         assert expectations.startswith("suite:") and (ROOT / expectations.removeprefix("suite:")).is_file(), leg
+
+
+def test_the_floor_gates_and_the_newest_torch_reports():
+    """Issue 17: a gating leg on the declared floor whose expectations say they are for it, a report-only
+    leg on the newest torch (an empty torch-version: unpinned, as Keras' CI installs it), none below
+    the floor; the reusable workflow installs torch unpinned when asked for no version."""
+    from keras_dtensor_conformance.report.expectations import read_torch, torch_matches
+    from keras_dtensor_conformance.torch_internals import TORCH_FLOOR, unsupported_torch
+    from ruamel.yaml import YAML
+
+    jobs = YAML(typ="safe").load((ROOT / ".github" / "workflows" / "conformance.yml").read_text())["jobs"]
+    gating = jobs["conformance"]["strategy"]["matrix"]
+    (floor,) = gating["torch"]
+    assert floor.rsplit(".", 1)[0] == TORCH_FLOOR
+    for leg in gating["keras"]:
+        if leg["expectations"]:
+            releases, _ = read_torch(str(ROOT / leg["expectations"].removeprefix("suite:")))
+            assert torch_matches(releases, floor), leg
+    report_only = jobs["conformance-report-only"]["strategy"]["matrix"]["torch"]
+    assert "" in report_only and all(v == "" or unsupported_torch(v) is None for v in report_only)
+    reusable = (ROOT / ".github" / "workflows" / "keras-conformance.yml").read_text()
+    assert 'if [ -n "$TORCH_VERSION" ]; then torch="torch==$TORCH_VERSION"; else torch="torch"; fi' in reusable

@@ -14,6 +14,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from keras_dtensor_conformance import torch_internals
 from keras_dtensor_conformance.rank import context as rank_context
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -172,9 +173,7 @@ def build_2d_mesh() -> tuple[int, int]:
 
 
 def threads_and_groups() -> tuple[int, int]:
-    from torch.distributed import distributed_c10d as c10d
-
-    return len(os.listdir(f"/proc/{os.getpid()}/task")), len(c10d._world.pg_map)
+    return len(os.listdir(f"/proc/{os.getpid()}/task")), len(torch_internals.process_groups())
 
 
 def mesh_op_then_collective() -> float:

@@ -9,7 +9,7 @@ import os
 import tempfile
 
 import numpy as np
-from keras_dtensor_conformance import rank_context
+from keras_dtensor_conformance import rank_context, torch_internals
 
 from conformance import axes
 from conformance.ranks import train as rank_train
@@ -140,11 +140,10 @@ def distribution_changed_between_fits() -> dict:
 def clear_session_undoes_distribution() -> dict:
     """clear_session() must drop the distribution and its promotion mode: later models are plain."""
     import keras
-    from torch.utils import _python_dispatch
 
     keras.distribution.set_distribution(rank_train.make_distribution(COLSHARD))
     keras.backend.clear_session()
-    modes = [type(m).__name__ for m in _python_dispatch._get_current_dispatch_mode_stack()]
+    modes = torch_internals.dispatch_mode_names()
     layer = keras.layers.Dense(16, name="dense_after")
     layer.build((None, 8))
     return {"distribution": repr(keras.distribution.distribution()), "modes": modes,
