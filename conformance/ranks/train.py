@@ -7,7 +7,6 @@ eager, in a clean process of its own) so the two sides differ only in the distri
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import warnings
 
@@ -410,6 +409,3 @@ def train(spec: dict, distributed: bool = True) -> dict:
         "warnings": [str(m.message) for m in caught if re.search("compile|jit", str(m.message), re.I)],
     }
 
-
-def package_available(name: str) -> bool:
-    return importlib.util.find_spec(name) is not None
