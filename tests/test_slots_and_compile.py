@@ -35,10 +35,6 @@ def _full(name):
 
 
 # ---------------------------------------------------------------- slot counts
-def test_every_optimizer_of_the_matrix_has_its_slot_counts():
-    assert set(slots.SLOTS) == set(axes.OPTIMIZERS)
-
-
 def test_all_slots_found_pass_and_a_missing_one_is_named():
     found = [_full("mlp_dense_a_kernel_momentum"), _full("mlp_dense_a_kernel_velocity")]
     assert slots.slot_problems("adam", COLSHARD, [KERNEL], found, 2) == []

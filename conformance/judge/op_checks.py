@@ -30,8 +30,9 @@ def op_placements_kept(op: str, values: list[dict]) -> tuple[str, str] | None:
     """A tensor result is a DTensor with the placements DTensor's own propagation gives.
 
     The expected placements come from torch: the same computation in plain torch on the same
-    DTensor (``rank_ops._torch_twins``; one list of placements per torch spelling of it, any of
-    which is right). Ops whose result is no tensor are exempt, as data (``rank_ops.NOT_A_TENSOR``).
+    DTensor (each op's ``twin`` in ``ranks/ops.OPS``; one list of placements per torch spelling of
+    it, any of which is right). Ops whose result is no tensor (no twin) are exempt, as data
+    (``ranks/ops.NOT_A_TENSOR``).
     """
     if op in NOT_A_TENSOR:
         return None
