@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+
 # ------------------------------------------------------------------ optimizers
 @dataclasses.dataclass(frozen=True)
 class Slots:
