@@ -22,12 +22,6 @@ class Slots:
     #: Muon: one more full slot (a velocity) for each variable it hands to AdamW (``slots.muon_uses_adamw``)
     adamw_velocity: int = 0
 
-    def __post_init__(self):
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if type(value) is not int or value < 0:
-                raise ValueError(f"Slots.{field.name} must be a count (an int >= 0), not {value!r}")
-
 
 #: What ``ranks/train.build_optimizer`` can put in place of a constant learning rate.
 SCHEDULES = ("exponential-decay",)
@@ -52,14 +46,6 @@ class Optimizer:
     benchmark: bool = False
     schedule: str | None = None  #: one of SCHEDULES, as the learning rate
     loss_scale: bool = False  #: wrapped in keras.optimizers.LossScaleOptimizer
-
-    def __post_init__(self):
-        if not isinstance(self.kwargs, dict):
-            raise TypeError(f"kwargs must be a dict of {self.keras_class}'s arguments, not {self.kwargs!r}")
-        if not isinstance(self.slots, Slots):
-            raise TypeError(f"slots must be a Slots, not {self.slots!r}")
-        if self.schedule is not None and self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule {self.schedule!r} is not one the ranks build ({', '.join(SCHEDULES)})")
 
     @property
     def spec(self) -> dict:
@@ -116,14 +102,33 @@ OPTIMIZERS = {
 
 
 
-def _check_optimizers(table: dict) -> None:
-    """Every row is an ``Optimizer`` (its own fields are checked as it is made)."""
+def _optimizer_problem(entry) -> str | None:
+    """What is wrong with one row of OPTIMIZERS, or None."""
+    if not isinstance(entry, Optimizer):
+        return f"must be an Optimizer, not {entry!r}"
+    if not isinstance(entry.kwargs, dict):
+        return f"kwargs must be a dict of {entry.keras_class}'s arguments, not {entry.kwargs!r}"
+    if not isinstance(entry.slots, Slots):
+        return f"slots must be a Slots, not {entry.slots!r}"
+    for field in dataclasses.fields(entry.slots):
+        count = getattr(entry.slots, field.name)
+        if type(count) is not int or count < 0:
+            return f"Slots.{field.name} must be a count (an int >= 0), not {count!r}"
+    if entry.schedule is not None and entry.schedule not in SCHEDULES:
+        return f"schedule {entry.schedule!r} is not one the ranks build ({', '.join(SCHEDULES)})"
+    return None
+
+
+def check_optimizers(table: dict) -> None:
+    """Every row of ``table`` is a whole ``Optimizer``; raises ValueError naming the first that is not.
+    (Its oracle rule is held to the oracle's rules by ``judge/oracle.check_named_rules``.)"""
     for name, entry in table.items():
-        if not isinstance(entry, Optimizer):
-            raise TypeError(f"axes.OPTIMIZERS[{name!r}] must be an Optimizer, not {entry!r}")
+        problem = _optimizer_problem(entry)
+        if problem:
+            raise ValueError(f"axes.OPTIMIZERS[{name!r}]: {problem}")
 
 
-_check_optimizers(OPTIMIZERS)
+check_optimizers(OPTIMIZERS)
 
 #: name -> its slot counts, as plain data: ``judge/slots.py`` reads this, and a training cell's
 #: reproducer, which inlines that module, gets it by value.

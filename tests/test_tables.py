@@ -23,11 +23,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _check(**entry):
-    oracle.check_optimizers({"new": Optimizer("SGD", {"learning_rate": 0.05}, slots=Slots(0), **entry)})
+    oracle.check_named_rules({"new": Optimizer("SGD", {"learning_rate": 0.05}, slots=Slots(0), **entry)})
 
 
 def test_the_tables_of_the_suite_pass_their_checks():
-    oracle.check_optimizers(axes.OPTIMIZERS)
+    axes.check_optimizers(axes.OPTIMIZERS)
+    oracle.check_named_rules(axes.OPTIMIZERS)
+    rank_ops.check_ops(rank_ops.OPS)
     assert axes.BENCHMARKED == tuple(n for n, o in axes.OPTIMIZERS.items() if o.benchmark)
 
 
@@ -46,18 +48,23 @@ def test_a_wrong_oracle_rule_is_named(entry, said):
 
 def test_an_argument_outside_the_rule_is_named():
     with pytest.raises(ValueError, match=r"oracle='sgd', but SGD with nesterov has no rule"):
-        oracle.check_optimizers({"new": Optimizer("SGD", {"nesterov": True}, slots=Slots(1), oracle="sgd")})
+        oracle.check_named_rules({"new": Optimizer("SGD", {"nesterov": True}, slots=Slots(1), oracle="sgd")})
 
 
-def test_an_optimizer_row_is_whole():
+@pytest.mark.parametrize("entry, said", [
+    ({"slots": {"full": 2}}, "slots must be a Slots, not {'full': 2}"),
+    ({"slots": Slots(1, factored=-1)}, "Slots.factored must be a count (an int >= 0), not -1"),
+    ({"slots": Slots(1.0)}, "Slots.full must be a count (an int >= 0), not 1.0"),
+    ({"slots": Slots(0), "schedule": "cosine"}, "schedule 'cosine' is not one the ranks build (exponential-decay)"),
+])
+def test_an_optimizer_row_that_is_not_whole_is_named(entry, said):
+    with pytest.raises(ValueError) as error:
+        axes.check_optimizers({"new": Optimizer("SGD", {"learning_rate": 0.05}, **entry)})
+    assert str(error.value) == f"axes.OPTIMIZERS['new']: {said}"
+    with pytest.raises(ValueError, match=r"axes.OPTIMIZERS\['new'\]: must be an Optimizer"):
+        axes.check_optimizers({"new": {"class": "SGD", "kwargs": {}}})  # a row as the table had them
     with pytest.raises(TypeError, match="missing 1 required keyword-only argument: 'slots'"):
         Optimizer("SGD", {"learning_rate": 0.05})
-    with pytest.raises(TypeError, match="slots must be a Slots, not 2"):
-        Optimizer("Adam", {}, slots=2)
-    with pytest.raises(ValueError, match=r"Slots.factored must be a count \(an int >= 0\), not -1"):
-        Slots(1, factored=-1)
-    with pytest.raises(ValueError, match="schedule 'cosine' is not one the ranks build"):
-        Optimizer("SGD", {}, slots=Slots(0), schedule="cosine")
 
 
 def test_slot_counts_are_plain_data_a_reproducer_inlines():
@@ -84,14 +91,18 @@ def _f(*_):
     return None
 
 
-@pytest.mark.parametrize("entry, error", [
+@pytest.mark.parametrize("entry, said", [
     ({"kind": "ternary"}, "kind 'ternary': 'unary' or 'binary'"),
-    ({"kind": "unary", "other_shape": (8, 3), "scalar": False}, "a unary op has no second operand"),
-    ({"kind": "binary", "other_shape": (8, 3)}, r"a second operand of shape \(8, 3\) is a matrix: scalar=False"),
+    ({"kind": "unary", "other_shape": (8, 3), "scalar": False},
+     "a unary op has no second operand: no other_shape, no scalar=False"),
+    ({"kind": "binary", "other_shape": (8, 3)},
+     "a second operand of shape (8, 3) is a matrix, never a scalar: say scalar=False"),
+    ({"kind": "unary", "twin": "torch.neg"}, "keras must be callable, and twin callable or None"),
 ])
-def test_an_op_row_that_contradicts_its_kind_is_refused(entry, error):
-    with pytest.raises(ValueError, match=error):
-        rank_ops.Op(keras=_f, twin=_f, **entry)
+def test_an_op_row_that_contradicts_itself_is_named(entry, said):
+    with pytest.raises(ValueError) as error:
+        rank_ops.check_ops({"new": rank_ops.Op(**{"keras": _f, "twin": _f, **entry})})
+    assert str(error.value) == f"ranks/ops.OPS['new']: {said}"
 
 
 def test_the_op_tables_derive_from_the_rows():

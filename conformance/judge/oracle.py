@@ -10,7 +10,7 @@ Core set (``scope``): the MLP of ``rank_train.build_model("mlp")`` (Dense 16 rel
 MSE loss, data fed as arrays or a DataLoader, any layout and compile mode, and the optimizers
 of ``axes.OPTIMIZERS`` that name a rule of ``RULES`` (SGD, SGD with momentum, Adam, AdamW and
 RMSprop). A rule models its Keras class with no argument beyond its hyperparameters, and
-``check_optimizers`` holds every entry to that at import.
+``check_named_rules`` holds every entry to that at import.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def _optimizer_gap(optimizer: dict) -> str | None:
     return f"{optimizer['class']} with {', '.join(extra)} has no rule" if extra else None
 
 
-def check_optimizers(optimizers: dict) -> None:
+def check_named_rules(optimizers: dict) -> None:
     """Each ``axes.OPTIMIZERS`` entry's ``oracle`` is right: a rule of ``RULES``, of the entry's
     Keras class, modelling every argument the entry sets; and an entry that a rule models names
     it, so that no entry leaves the core set by omission. Raises ValueError naming the entry."""
@@ -135,7 +135,7 @@ def check_optimizers(optimizers: dict) -> None:
             raise ValueError(f"{where}: oracle={entry.oracle!r}, but {gap}")
 
 
-check_optimizers(axes.OPTIMIZERS)
+check_named_rules(axes.OPTIMIZERS)
 
 
 def scope(spec: dict) -> str | None:

@@ -59,16 +59,6 @@ class Op:
     other_shape: tuple | None = None
     scalar: bool = True  #: binary: a Python scalar is among its second operands
 
-    def __post_init__(self):
-        if self.kind not in ("unary", "binary"):
-            raise ValueError(f"kind {self.kind!r}: 'unary' or 'binary'")
-        if self.kind == "unary" and (self.other_shape is not None or not self.scalar):
-            raise ValueError("a unary op has no second operand: no other_shape, no scalar=False")
-        if self.other_shape is not None and self.scalar:
-            raise ValueError(f"a second operand of shape {self.other_shape} is a matrix: scalar=False")
-        if not callable(self.keras) or not (self.twin is None or callable(self.twin)):
-            raise TypeError("keras must be callable, and twin callable or None")
-
 
 #: name -> op: the one place to add one. Binary ops first, then unary, in the order of the ids.
 OPS = {
@@ -140,14 +130,30 @@ OPS = {
 }
 
 
-def _check_ops(table: dict) -> None:
-    """Every row is an ``Op`` (its own fields are checked as it is made)."""
+def _op_problem(entry) -> str | None:
+    """What is wrong with one row of OPS, or None."""
+    if not isinstance(entry, Op):
+        return f"must be an Op, not {entry!r}"
+    if entry.kind not in ("unary", "binary"):
+        return f"kind {entry.kind!r}: 'unary' or 'binary'"
+    if entry.kind == "unary" and (entry.other_shape is not None or not entry.scalar):
+        return "a unary op has no second operand: no other_shape, no scalar=False"
+    if entry.other_shape is not None and entry.scalar:
+        return f"a second operand of shape {entry.other_shape} is a matrix, never a scalar: say scalar=False"
+    if not callable(entry.keras) or not (entry.twin is None or callable(entry.twin)):
+        return "keras must be callable, and twin callable or None"
+    return None
+
+
+def check_ops(table: dict) -> None:
+    """Every row of ``table`` is a consistent ``Op``; raises ValueError naming the first that is not."""
     for name, entry in table.items():
-        if not isinstance(entry, Op):
-            raise TypeError(f"ranks/ops.OPS[{name!r}] must be an Op, not {entry!r}")
+        problem = _op_problem(entry)
+        if problem:
+            raise ValueError(f"ranks/ops.OPS[{name!r}]: {problem}")
 
 
-_check_ops(OPS)
+check_ops(OPS)
 #: name -> "unary" | "binary", in table order: the matrix's rows (test_ops.py).
 OP_KINDS = {name: op.kind for name, op in OPS.items()}
 #: Ops whose result is not a tensor (a NumPy array, a shape tuple, a bool): no placements to check.
