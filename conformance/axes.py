@@ -6,40 +6,135 @@ so an id in a report or an expectations file says exactly which cell it is.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
+
 # ------------------------------------------------------------------ optimizers
-#: name -> keras.optimizers class and arguments. Variants put scalars and extra state into the
-#: update (momentum, amsgrad maxima, EMA copies, accumulators, schedules), where mixed
-#: Tensor/DTensor errors have lived.
+@dataclasses.dataclass(frozen=True)
+class Slots:
+    """The optimizer state Keras keeps for one trainable variable, which ``judge/slots.py`` counts
+    (how the counts were found, and why they are counted, is said there)."""
+
+    full: int  #: slots shaped like the variable (momentum, velocity, EMA copy, accumulator)
+    #: factored second moments (Adafactor's ``r`` and ``c``): only for variables of rank >= 2
+    factored: int = 0
+    #: Muon: one more full slot (a velocity) for each variable it hands to AdamW (``slots.muon_uses_adamw``)
+    adamw_velocity: int = 0
+
+
+#: What ``ranks/train.build_optimizer`` can put in place of a constant learning rate.
+SCHEDULES = ("exponential-decay",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Optimizer:
+    """One row of the optimizer axis: everything the suite needs to know about it, in one place.
+
+    The cell's spec (``spec``) is what the ranks build; ``slots`` is what the slot check holds
+    every sharded variable to; ``oracle`` names the NumPy oracle's rule that judges its cells
+    (``judge/oracle.RULES``; None where no rule models it, and the oracle refuses, at import, an
+    entry that a rule models but that names none, so a new entry cannot drop out of its core set
+    unnoticed); ``benchmark`` puts it in the step-time benchmarks' optimizer axis.
+    """
+
+    keras_class: str  #: a ``keras.optimizers`` class name
+    kwargs: dict  #: its arguments
+    _: dataclasses.KW_ONLY
+    slots: Slots
+    oracle: str | None = None
+    benchmark: bool = False
+    schedule: str | None = None  #: one of SCHEDULES, as the learning rate
+    loss_scale: bool = False  #: wrapped in keras.optimizers.LossScaleOptimizer
+
+    @property
+    def spec(self) -> dict:
+        """The optimizer as cell data (in the report, on the ranks, in a reproducer's SPEC)."""
+        spec = {"class": self.keras_class}
+        if self.kwargs:
+            spec["kwargs"] = dict(self.kwargs)
+        if self.schedule is not None:
+            spec["schedule"] = self.schedule
+        if self.loss_scale:
+            spec["loss_scale"] = True
+        return spec
+
+
+#: name -> the optimizer of that row: the one place to add one. Variants put scalars and extra
+#: state into the update (momentum, amsgrad maxima, EMA copies, accumulators, schedules), where
+#: mixed Tensor/DTensor errors have lived. Slot counts are from each optimizer's ``build()`` in
+#: ``keras/src/optimizers/`` (see judge/slots.py).
 OPTIMIZERS = {
-    "sgd": {"class": "SGD", "kwargs": {"learning_rate": 0.05}},
-    "sgd-momentum": {"class": "SGD", "kwargs": {"learning_rate": 0.05, "momentum": 0.9}},
-    "sgd-nesterov": {"class": "SGD", "kwargs": {"learning_rate": 0.05, "momentum": 0.9, "nesterov": True}},
-    "sgd-weightdecay": {"class": "SGD", "kwargs": {"learning_rate": 0.05, "weight_decay": 0.01}},
-    "sgd-schedule": {"class": "SGD", "schedule": "exponential-decay"},
-    "adam": {"class": "Adam", "kwargs": {"learning_rate": 0.01}},
-    "adam-amsgrad": {"class": "Adam", "kwargs": {"learning_rate": 0.01, "amsgrad": True}},
-    "adam-clipnorm": {"class": "Adam", "kwargs": {"learning_rate": 0.01, "clipnorm": 0.1}},
-    "adam-clipvalue": {"class": "Adam", "kwargs": {"learning_rate": 0.01, "clipvalue": 0.01}},
-    "adam-globalclipnorm": {"class": "Adam", "kwargs": {"learning_rate": 0.01, "global_clipnorm": 0.1}},
-    "adam-ema": {"class": "Adam", "kwargs": {"learning_rate": 0.01, "use_ema": True, "ema_momentum": 0.9}},
-    "adam-accum": {"class": "Adam", "kwargs": {"learning_rate": 0.01, "gradient_accumulation_steps": 2}},
-    "adamw": {"class": "AdamW", "kwargs": {"learning_rate": 0.01}},
-    "adagrad": {"class": "Adagrad", "kwargs": {"learning_rate": 0.05}},
-    "adadelta": {"class": "Adadelta", "kwargs": {"learning_rate": 1.0}},
-    "adamax": {"class": "Adamax", "kwargs": {"learning_rate": 0.01}},
-    "nadam": {"class": "Nadam", "kwargs": {"learning_rate": 0.01}},
-    "rmsprop": {"class": "RMSprop", "kwargs": {"learning_rate": 0.01}},
-    "rmsprop-centered": {"class": "RMSprop", "kwargs": {"learning_rate": 0.01, "centered": True}},
-    "lion": {"class": "Lion", "kwargs": {"learning_rate": 0.001}},
-    "ftrl": {"class": "Ftrl", "kwargs": {"learning_rate": 0.05}},
-    "adafactor": {"class": "Adafactor", "kwargs": {"learning_rate": 0.01}},
-    "lamb": {"class": "Lamb", "kwargs": {"learning_rate": 0.01}},
-    "muon": {"class": "Muon", "kwargs": {"learning_rate": 0.01}},
-    "schedulefreeadamw": {"class": "ScheduleFreeAdamW", "kwargs": {"learning_rate": 0.01}},
-    "lossscale": {"class": "SGD", "kwargs": {"learning_rate": 0.05}, "loss_scale": True},
+    "sgd": Optimizer("SGD", {"learning_rate": 0.05}, slots=Slots(0), oracle="sgd", benchmark=True),
+    "sgd-momentum": Optimizer("SGD", {"learning_rate": 0.05, "momentum": 0.9}, slots=Slots(1), oracle="sgd"),
+    "sgd-nesterov": Optimizer("SGD", {"learning_rate": 0.05, "momentum": 0.9, "nesterov": True}, slots=Slots(1)),
+    "sgd-weightdecay": Optimizer("SGD", {"learning_rate": 0.05, "weight_decay": 0.01}, slots=Slots(0)),
+    "sgd-schedule": Optimizer("SGD", {}, slots=Slots(0), schedule="exponential-decay"),
+    "adam": Optimizer("Adam", {"learning_rate": 0.01}, slots=Slots(2), oracle="adam", benchmark=True),
+    "adam-amsgrad": Optimizer("Adam", {"learning_rate": 0.01, "amsgrad": True}, slots=Slots(3)),  # + velocity_hat
+    "adam-clipnorm": Optimizer("Adam", {"learning_rate": 0.01, "clipnorm": 0.1}, slots=Slots(2)),
+    "adam-clipvalue": Optimizer("Adam", {"learning_rate": 0.01, "clipvalue": 0.01}, slots=Slots(2)),
+    "adam-globalclipnorm": Optimizer("Adam", {"learning_rate": 0.01, "global_clipnorm": 0.1}, slots=Slots(2)),
+    # + the EMA copy ("average")
+    "adam-ema": Optimizer("Adam", {"learning_rate": 0.01, "use_ema": True, "ema_momentum": 0.9}, slots=Slots(3)),
+    # + the gradient accumulator
+    "adam-accum": Optimizer("Adam", {"learning_rate": 0.01, "gradient_accumulation_steps": 2}, slots=Slots(3)),
+    "adamw": Optimizer("AdamW", {"learning_rate": 0.01}, slots=Slots(2), oracle="adamw", benchmark=True),
+    "adagrad": Optimizer("Adagrad", {"learning_rate": 0.05}, slots=Slots(1)),  # accumulator
+    "adadelta": Optimizer("Adadelta", {"learning_rate": 1.0}, slots=Slots(2)),  # accumulated_grad, _delta_var
+    "adamax": Optimizer("Adamax", {"learning_rate": 0.01}, slots=Slots(2)),  # m, u
+    "nadam": Optimizer("Nadam", {"learning_rate": 0.01}, slots=Slots(2)),  # momentum, velocity (u_product: a scalar)
+    "rmsprop": Optimizer("RMSprop", {"learning_rate": 0.01}, slots=Slots(1), oracle="rmsprop"),  # velocity
+    # + average_gradient
+    "rmsprop-centered": Optimizer("RMSprop", {"learning_rate": 0.01, "centered": True}, slots=Slots(2)),
+    "lion": Optimizer("Lion", {"learning_rate": 0.001}, slots=Slots(1), benchmark=True),  # momentum
+    "ftrl": Optimizer("Ftrl", {"learning_rate": 0.05}, slots=Slots(2)),  # accumulator, linear
+    # velocity; r and c for rank >= 2
+    "adafactor": Optimizer("Adafactor", {"learning_rate": 0.01}, slots=Slots(1, factored=2)),
+    "lamb": Optimizer("Lamb", {"learning_rate": 0.01}, slots=Slots(2)),
+    # momentum; + velocity where AdamW does the update
+    "muon": Optimizer("Muon", {"learning_rate": 0.01}, slots=Slots(1, adamw_velocity=1)),
+    # momentum (starts as a copy of the variable), velocity
+    "schedulefreeadamw": Optimizer("ScheduleFreeAdamW", {"learning_rate": 0.01}, slots=Slots(2)),
+    # inner SGD without momentum: LossScaleOptimizer adds only scalars of its own
+    "lossscale": Optimizer("SGD", {"learning_rate": 0.05}, slots=Slots(0), loss_scale=True),
 }
+
+
+
+def _optimizer_problem(entry) -> str | None:
+    """What is wrong with one row of OPTIMIZERS, or None."""
+    if not isinstance(entry, Optimizer):
+        return f"must be an Optimizer, not {entry!r}"
+    if not isinstance(entry.kwargs, dict):
+        return f"kwargs must be a dict of {entry.keras_class}'s arguments, not {entry.kwargs!r}"
+    if not isinstance(entry.slots, Slots):
+        return f"slots must be a Slots, not {entry.slots!r}"
+    for field in dataclasses.fields(entry.slots):
+        count = getattr(entry.slots, field.name)
+        if type(count) is not int or count < 0:
+            return f"Slots.{field.name} must be a count (an int >= 0), not {count!r}"
+    if entry.schedule is not None and entry.schedule not in SCHEDULES:
+        return f"schedule {entry.schedule!r} is not one the ranks build ({', '.join(SCHEDULES)})"
+    return None
+
+
+def check_optimizers(table: dict) -> None:
+    """Every row of ``table`` is a whole ``Optimizer``; raises ValueError naming the first that is not.
+    (Its oracle rule is held to the oracle's rules by ``judge/oracle.check_named_rules``.)"""
+    for name, entry in table.items():
+        problem = _optimizer_problem(entry)
+        if problem:
+            raise ValueError(f"axes.OPTIMIZERS[{name!r}]: {problem}")
+
+
+check_optimizers(OPTIMIZERS)
+
+#: name -> its slot counts, as plain data: ``judge/slots.py`` reads this, and a training cell's
+#: reproducer, which inlines that module, gets it by value.
+SLOTS = {name: dataclasses.asdict(entry.slots) for name, entry in OPTIMIZERS.items()}
+#: The optimizers of the step-time benchmarks (``test_benchmarks.py``), in table order.
+BENCHMARKED = tuple(name for name, entry in OPTIMIZERS.items() if entry.benchmark)
 
 # ------------------------------------------------------------------ data sources
 #: name -> the Python package it needs beyond torch and Keras (None: none).
@@ -94,7 +189,7 @@ MODELS = ("mlp", "embedding", "attention", "batchnorm")
 def cell_spec(model: str, optimizer: str, data: str, compile_mode: str, layout: str) -> dict:
     return {
         "model": model,
-        "optimizer": OPTIMIZERS[optimizer],
+        "optimizer": OPTIMIZERS[optimizer].spec,
         "optimizer_name": optimizer,
         "data": data,
         "compile": compile_mode,

@@ -57,6 +57,15 @@ def training_params(full: bool) -> list:
     return params
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_conformance_reproducer_families() -> list:
+    """The training and op cells' reproducers (``reproducible.py``); optional, as a hook of a
+    plugin that may be disabled (``-p no:dtensor_conformance``) must be."""
+    from conformance import reproducible
+
+    return list(reproducible.FAMILIES)
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "training_cell" in metafunc.fixturenames:
         metafunc.parametrize("training_cell", training_params(metafunc.config.getoption("full")))

@@ -76,7 +76,7 @@ def test_momentum_two_steps_by_hand():
 def test_adam_first_step_moves_each_weight_by_the_learning_rate():
     """Step 1: m = 0.1 g, v = 0.001 g^2, alpha = lr * sqrt(0.001) / 0.1, so the step is
     lr * g / (|g| + eps / sqrt(0.001)): lr times the sign of g, for |g| far above epsilon."""
-    hp = oracle.hyperparameters({"class": "Adam", "kwargs": {"learning_rate": 0.01}})
+    hp = oracle.RULES["adam"].hyperparameters({"learning_rate": 0.01})
     w = oracle.adam(np.array([1.0, 1.0]), np.array([0.5, -3.0]), {}, 1, hp)
     np.testing.assert_allclose(w, [0.99, 1.01], rtol=1e-6)
 
@@ -84,7 +84,7 @@ def test_adam_first_step_moves_each_weight_by_the_learning_rate():
 def test_adam_epsilon_is_added_to_the_uncorrected_root():
     """g = 1e-6, lr = 1, step 1: Keras adds eps to sqrt(v) = sqrt(0.001) * g (step ~0.24), not to
     the bias-corrected sqrt(v_hat) = g as the paper does (step g / (g + eps) ~0.91)."""
-    hp = oracle.hyperparameters({"class": "Adam", "kwargs": {"learning_rate": 1.0}})
+    hp = oracle.RULES["adam"].hyperparameters({"learning_rate": 1.0})
     g = 1e-6
     step = 1.0 - float(oracle.adam(np.array(1.0), np.array(g), {}, 1, hp))
     alpha = np.sqrt(1 - 0.999) / (1 - 0.9)
@@ -95,7 +95,7 @@ def test_adam_epsilon_is_added_to_the_uncorrected_root():
 def test_adamw_decays_before_the_adam_step():
     """AdamW, w = 2, g = 1, lr 0.5: decay first, 2 * (1 - 0.004 * 0.5) = 1.996, then Adam's first
     step of ~lr = 0.5 (1.496); decaying after the step would give 1.5 * 0.998 = 1.497."""
-    hp = oracle.hyperparameters({"class": "AdamW", "kwargs": {"learning_rate": 0.5}})
+    hp = oracle.RULES["adamw"].hyperparameters({"learning_rate": 0.5})
     adam_step = 0.5 * np.sqrt(0.001) / (np.sqrt(0.001) + 1e-7)
     got = float(oracle.adamw(np.array(2.0), np.array(1.0), {}, 1, hp))
     assert got == pytest.approx(2 * (1 - 0.004 * 0.5) - adam_step, rel=1e-12)
@@ -103,7 +103,7 @@ def test_adamw_decays_before_the_adam_step():
 
 def test_rmsprop_puts_epsilon_inside_the_root():
     """Step 1: v = 0.1 g^2, w -= lr * g / sqrt(v + eps); g = 1: 0.01 / sqrt(0.1 + 1e-7)."""
-    hp = oracle.hyperparameters({"class": "RMSprop", "kwargs": {"learning_rate": 0.01}})
+    hp = oracle.RULES["rmsprop"].hyperparameters({"learning_rate": 0.01})
     w = oracle.rmsprop(np.array(0.0), np.array(1.0), {}, 1, hp)
     assert float(-w) == pytest.approx(0.01 / np.sqrt(0.1 + 1e-7), rel=1e-12)
 

@@ -16,7 +16,7 @@ from keras_dtensor_conformance.controller.pools import PoolManager
 from keras_dtensor_conformance.verdicts import ERROR, CellFailure
 
 from conformance import axes
-from conformance.judge import judge_fit, reference_on_the_ranks_device
+from conformance.judge import fit_checks, judge_fit
 from conformance.ranks import train as rank_train
 
 
@@ -30,10 +30,9 @@ def test_the_reference_pool_runs_on_the_sessions_backend(backend, tmp_path):
 
 
 def test_a_reference_on_another_device_is_a_harness_error():
-    with pytest.raises(CellFailure) as failure:
-        reference_on_the_ranks_device([{"device": "cuda"}, {"device": "cuda"}], {"device": "cpu"}, None)
-    assert failure.value.verdict == ERROR and "computed on cpu, the ranks on cuda" in failure.value.detail
-    reference_on_the_ranks_device([{"device": "cpu"}], {"device": "cpu"}, None)  # same device: no failure
+    verdict, message = fit_checks.reference_elsewhere([{"device": "cuda"}, {"device": "cuda"}], {"device": "cpu"})
+    assert verdict == ERROR and "computed on cpu, the ranks on cuda" in message
+    assert fit_checks.reference_elsewhere([{"device": "cpu"}], {"device": "cpu"}) is None  # same device
 
 
 def test_a_real_cell_and_its_reference_report_the_same_device(keras_ranks, references):

@@ -16,6 +16,7 @@ import time
 import pytest
 from keras_dtensor_conformance.report import clusters, reproducers
 
+from conformance import reproducible
 from conformance.judge import fit_checks, numerics, op_checks
 from conformance.ranks import ops as rank_ops
 from tests import mutants
@@ -168,7 +169,8 @@ def test_every_cluster_gets_a_script_or_says_why(tmp_path):
     ]
     report = {"cells": cells, "clusters": clusters.clusters(cells),
               "build": {"keras_version": "3", "torch_version": "2", "backend": "gloo", "nproc": 2}}
-    result = reproducers.write(report, str(tmp_path), every_cell=False, timeout=240.0)
+    result = reproducers.write(report, str(tmp_path), every_cell=False, timeout=240.0,
+                               families=reproducible.FAMILIES)
     assert sorted(w["cell"] for w in result["written"]) == ["test_fit[attention-sgd-arrays-nojit-colshard]",
                                                             "test_fit[sgd-arrays-nojit-colshard]",
                                                             "test_op[add-tensor-shard1-compiled]"]
@@ -189,17 +191,29 @@ def test_every_cluster_gets_a_script_or_says_why(tmp_path):
     assert inspect.getsource(fit_checks.numbers_differ) in text and inspect.getsource(numerics.compare) in text
 
 
-def test_a_name_defined_twice_is_refused(monkeypatch):
+def test_a_name_defined_twice_is_refused():
     """Inlined modules share the script's namespace: one that redefines another's name is refused."""
-    modules = ("conformance.ranks.ops", "conformance.judge.op_checks", "conformance.judge.numerics", "conformance.judge.numerics")
-    monkeypatch.setattr(reproducers, "FAMILIES", (dataclasses.replace(reproducers.OPS, modules=modules),))
+    modules = ("conformance.ranks.ops", "conformance.judge.op_checks", "conformance.judge.numerics",
+               "conformance.judge.numerics")
+    family = dataclasses.replace(reproducible.OPS, modules=modules)
     op = {"op": "add", "operand": "tensor", "placement": "shard1", "compile_mode": "compiled"}
     with pytest.raises(RuntimeError, match="would define TOLERANCES twice"):
         reproducers.script(_cell("test_op[add-tensor-shard1-compiled]", "ops compiled", "compile-fallback", op, "x"),
-                           {}, 240.0)
+                           family, {}, 240.0)
 
 
 def test_a_script_that_would_import_this_project_is_not_written():
-    """``oracle`` imports the module ``rank_train`` (not a constant, not inlined before it)."""
-    with pytest.raises(RuntimeError, match=r"would import this project: from conformance import rank_train"):
+    """``oracle`` imports the module ``axes`` (not a constant, not inlined before it)."""
+    with pytest.raises(RuntimeError, match=r"would import this project: from conformance import axes \(axes is"):
         reproducers.inlined_source(("conformance.judge.oracle",))
+
+
+def test_a_suite_that_offers_no_family_gets_no_script_and_is_told_why(tmp_path):
+    """The plugin knows no family of its own: the families are the suite's, through its hook."""
+    fit = {"model": "mlp", "optimizer": {"class": "SGD"}, "data": "arrays", "compile": "nojit", "layout": {}}
+    cells = [_cell("test_fit[sgd-arrays-nojit-colshard]", "fit colshard", "error", fit, "IndexError: N")]
+    report = {"cells": cells, "clusters": clusters.clusters(cells), "build": {}}
+    result = reproducers.write(report, str(tmp_path), every_cell=False, timeout=240.0, families=[])
+    assert result["written"] == [] and not list(tmp_path.glob("*.py"))
+    assert [w["why"] for w in result["without"]] == [
+        "the suite offers no reproducer family (pytest_conformance_reproducer_families); family fit colshard"]

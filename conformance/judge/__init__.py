@@ -53,59 +53,40 @@ def skip_if_not_in_build(result) -> None:
 
 
 # ---------------------------------------------------------------- training cells
-# The checks of a trained cell's evidence are ``conformance.judge.fit_checks`` (plain functions, which a
-# training cell's standalone reproducer inlines); these raise what they find.
-def sharding_kept(spec: dict, values: list[dict], nproc: int, result) -> None:
-    """Every sharded variable and each of its optimizer slots as the layout asks (``fit_checks.sharding_lost``)."""
-    raise_found(fit_checks.sharding_lost(spec, values, nproc), result)
-
-
-def reference_on_the_ranks_device(values: list[dict], reference: dict, result) -> None:
-    """The reference computed on the ranks' device type (``fit_checks.reference_elsewhere``)."""
-    raise_found(fit_checks.reference_elsewhere(values, reference), result)
-
-
-def numbers_match_reference(values: list[dict], reference, result) -> None:
-    """Losses, evaluate, predict and final weights equal the single-process reference's; skipped
-    where the reference does not define the right numbers (``fit_checks.local_batch_statistics``)."""
-    if not reference.ok:
-        raise CellFailure(ERROR, "the single-process reference failed:\n" + reference.story(), reference)
-    reference_on_the_ranks_device(values, reference.values[0], result)
-    not_comparable = fit_checks.local_batch_statistics(values)
-    if not_comparable:
-        pytest.skip(not_comparable)
-    raise_found(fit_checks.numbers_differ(values, reference.values[0]), result)
-
-
-def numbers_match_oracle(spec: dict, values: list[dict], reference, result) -> None:
+# The checks of a trained cell's evidence, and their order, are ``conformance.judge.fit_checks``
+# (plain functions, which a training cell's standalone reproducer inlines); judge_fit raises what they find.
+def numbers_match_oracle(spec: dict, values: list[dict], reference: dict) -> tuple[str, str] | None:
     """In the oracle's core set, the reference and every rank equal the NumPy oracle.
 
     The reference comparison cannot see a maths bug the single-process and distributed runs
-    share; the oracle (``conformance/oracle.py``) is written from Keras' documented update rules
-    and imports no Keras. The reference's losses, evaluate, predict and final weights, and every
-    rank's final (global) weights, must match it, each from its own initial weights.
+    share; the oracle (``conformance/judge/oracle.py``) is written from Keras' documented update
+    rules and imports no Keras. The reference's losses, evaluate, predict and final weights, and
+    every rank's final (global) weights, must match it, each from its own initial weights.
     """
     if oracle.scope(spec) is not None:
-        return
-    problems = oracle.reference_problems(spec, reference.values[0], "the single-process reference: ")
+        return None
+    problems = oracle.reference_problems(spec, reference, "the single-process reference: ")
     problems += oracle.distributed_problems(spec, values)
-    check(not problems, NUMERICS, "\n".join(problems), result)
-
-
-def really_compiled(spec: dict, values: list[dict], result) -> None:
-    """A ``jit`` cell's fit ran the whole step compiled (``fit_checks.not_compiled``)."""
-    raise_found(fit_checks.not_compiled(spec, values), result)
+    return (NUMERICS, "\n".join(problems)) if problems else None
 
 
 def judge_fit(spec: dict, result, reference, nproc: int) -> None:
     """A training cell: ran, kept its sharding, matched the reference (and the NumPy oracle in its
-    core set), and compiled if asked."""
+    core set), and compiled if asked: ``fit_checks.fit_failure``'s checks, in its order. A cell
+    whose numbers the reference does not define is skipped with the reason."""
     ran_everywhere(result)
     values = result.values
-    sharding_kept(spec, values, nproc, result)
-    numbers_match_reference(values, reference, result)
-    numbers_match_oracle(spec, values, reference, result)
-    really_compiled(spec, values, result)
+    evidence = reference.values[0] if reference.ok else None
+    found = fit_checks.fit_failure(spec, values, nproc, evidence,
+                                   oracle=lambda: numbers_match_oracle(spec, values, evidence))
+    if found is None:
+        return
+    verdict, message = found
+    if verdict == fit_checks.NOT_COMPARABLE:
+        pytest.skip(message)
+    if verdict == fit_checks.NO_REFERENCE:
+        raise CellFailure(ERROR, "the single-process reference failed:\n" + reference.story(), reference)
+    raise CellFailure(verdict, message, result)
 
 
 # ---------------------------------------------------------------- op cells

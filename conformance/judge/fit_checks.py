@@ -1,18 +1,21 @@
 """Evidence -> verdict for a trained cell, as plain functions that a standalone reproducer can inline.
 
 ``judge.judge_fit`` decides a training cell's verdict with these, and so does the script
-``--conformance-repro`` writes for a training cell (``fixtures/reproducers.py`` inlines this
-module's source after the modules it imports), so a contributor's script judges sharding,
+``--conformance-repro`` writes for a training cell (it inlines this module's source after the
+modules it imports: ``conformance/reproducible.py``), so a contributor's script judges sharding,
 numbers against the single-process reference and compilation with the suite's own rules, not a
 copy. Each check returns ``(verdict, message)`` when the evidence fails it, or None; raising
-pytest's or the plugin's exceptions is the judge's part. The NumPy oracle is not here: it is
-judged by ``judge.numbers_match_oracle`` alone, and a reproducer does not run it.
+pytest's or the plugin's exceptions is the judge's part. ``fit_failure`` runs them in their
+order, the one place that order is written. The NumPy oracle is not here: the judge hands its
+check to ``fit_failure`` (``oracle=``), and a reproducer does not run it.
 
 ``values`` is what ``rank_train.train`` returns on each rank, in rank order; ``reference`` is what it
 returns in the single-process run of ``reference_spec(spec)``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from keras_dtensor_conformance import COMPILE_FALLBACK, ERROR, NUMERICS, SHARDING_LOST
 
@@ -97,3 +100,35 @@ def not_compiled(spec: dict, values: list[dict]) -> tuple[str, str] | None:
         return COMPILE_FALLBACK, ("jit_compile=True but the train step did not run whole in compiled graphs:\n"
                                   + "\n".join(problems))
     return None
+
+
+#: ``fit_failure``'s outcomes that are no verdict: the reference does not define the right numbers
+#: (the suite skips the cell), or the single-process reference did not run (the harness' error).
+NOT_COMPARABLE = "not-comparable"
+NO_REFERENCE = "no-reference"
+
+
+def fit_failure(spec: dict, values: list[dict], nproc: int, reference: dict | None,
+                oracle: Callable[[], tuple[str, str] | None] | None = None) -> tuple[str, str] | None:
+    """The first check a trained cell fails, as ``(verdict, message)``, or None: it passes.
+
+    The order: the sharding (which needs no reference, so a cell that lost it says so whatever
+    became of the reference); the reference itself (that it ran, ``reference`` None being
+    ``NO_REFERENCE``, and on the ranks' device); whether its numbers are comparable (else
+    ``(NOT_COMPARABLE, why)``); the numbers; ``oracle``, a further check of the numbers that the
+    caller may add (the suite's NumPy oracle); and compilation last, since a step that computes
+    the wrong numbers or loses its sharding is that failure whether or not it compiled.
+    """
+    found = sharding_lost(spec, values, nproc)
+    if found is not None:
+        return found
+    if reference is None:
+        return NO_REFERENCE, "the single-process reference failed"
+    found = reference_elsewhere(values, reference)
+    if found is not None:
+        return found
+    why = local_batch_statistics(values)
+    if why:
+        return NOT_COMPARABLE, why
+    return (numbers_differ(values, reference) or (oracle() if oracle is not None else None)
+            or not_compiled(spec, values))

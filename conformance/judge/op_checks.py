@@ -1,12 +1,13 @@
 """Evidence -> verdict for op cells, as plain functions that a standalone reproducer can inline.
 
 ``judge.judge_op`` decides an op cell's verdict here, and so does the script
-``--conformance-repro`` writes for an op cell (``fixtures/reproducers.py`` inlines this module's
-source), so the script a contributor runs judges with the suite's own rules, not a copy of them.
-That is why nothing here raises pytest's or the plugin's exceptions: each check returns
-``(verdict, message)`` for the first rank whose evidence fails it, or None. The verdict names are
-plain strings (a reproducer inlines them by value) and the only other import is rank_ops' list of
-ops whose result is not a tensor, which a reproducer inlines before this module.
+``--conformance-repro`` writes for an op cell (it inlines this module's source:
+``conformance/reproducible.py``), so the script a contributor runs judges with the suite's own
+rules, not a copy of them. That is why nothing here raises pytest's or the plugin's exceptions:
+each check returns ``(verdict, message)`` for the first rank whose evidence fails it, or None.
+The verdict names are plain strings (a reproducer inlines them by value) and the only other
+import is rank_ops' list of ops whose result is not a tensor, which a reproducer inlines before
+this module.
 
 The evidence is what ``rank_ops.op_cell`` returns on each rank, in rank order.
 """
@@ -30,8 +31,9 @@ def op_placements_kept(op: str, values: list[dict]) -> tuple[str, str] | None:
     """A tensor result is a DTensor with the placements DTensor's own propagation gives.
 
     The expected placements come from torch: the same computation in plain torch on the same
-    DTensor (``rank_ops._torch_twins``; one list of placements per torch spelling of it, any of
-    which is right). Ops whose result is no tensor are exempt, as data (``rank_ops.NOT_A_TENSOR``).
+    DTensor (each op's ``twin`` in ``ranks/ops.OPS``; one list of placements per torch spelling of
+    it, any of which is right). Ops whose result is no tensor (no twin) are exempt, as data
+    (``ranks/ops.NOT_A_TENSOR``).
     """
     if op in NOT_A_TENSOR:
         return None

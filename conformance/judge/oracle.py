@@ -8,16 +8,19 @@ initial weights (``rank_train.train``'s ``initial_weights``) and the global data
 
 Core set (``scope``): the MLP of ``rank_train.build_model("mlp")`` (Dense 16 relu, Dense 4),
 MSE loss, data fed as arrays or a DataLoader, any layout and compile mode, and the optimizers
-whose rules are in ``RULES`` with no argument beyond those rules' hyperparameters (so SGD,
-SGD with momentum, Adam, AdamW and RMSprop as ``axes.OPTIMIZERS`` configures them).
+of ``axes.OPTIMIZERS`` that name a rule of ``RULES`` (SGD, SGD with momentum, Adam, AdamW and
+RMSprop). A rule models its Keras class with no argument beyond its hyperparameters, and
+``check_named_rules`` holds every entry to that at import.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
+from conformance import axes
 from conformance.ranks import train as rank_train
 
 #: The build computes in float32, the oracle in float64: the build's rounding (~6e-8 relative
@@ -72,24 +75,67 @@ def rmsprop(w, g, slots: dict, t: int, hp: dict):
     return w - hp["learning_rate"] * g / np.sqrt(v + hp["epsilon"])
 
 
-#: keras.optimizers class -> (rule, Keras' default hyperparameters). A cell's optimizer is in
-#: the core set when it has a rule here and sets no argument outside these hyperparameters.
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """The update rule of one ``keras.optimizers`` class, with Keras' default hyperparameters: the
+    arguments it models. An optimizer that sets any other argument is outside the rule."""
+
+    keras_class: str
+    update: Callable
+    defaults: dict
+
+    def hyperparameters(self, kwargs: dict) -> dict:
+        """Keras' defaults overridden by the optimizer's arguments."""
+        return {**self.defaults, **kwargs}
+
+
+#: rule name -> rule. An ``axes.OPTIMIZERS`` entry names its rule (``oracle=``) to be in the core set.
 RULES = {
-    "SGD": (sgd, {"learning_rate": 0.01, "momentum": 0.0}),
-    "Adam": (adam, {"learning_rate": 0.001, "beta_1": 0.9, "beta_2": 0.999, "epsilon": 1e-7}),
-    "AdamW": (adamw, {"learning_rate": 0.001, "weight_decay": 0.004, "beta_1": 0.9, "beta_2": 0.999,
-                      "epsilon": 1e-7}),
-    "RMSprop": (rmsprop, {"learning_rate": 0.001, "rho": 0.9, "epsilon": 1e-7}),
+    "sgd": Rule("SGD", sgd, {"learning_rate": 0.01, "momentum": 0.0}),
+    "adam": Rule("Adam", adam, {"learning_rate": 0.001, "beta_1": 0.9, "beta_2": 0.999, "epsilon": 1e-7}),
+    "adamw": Rule("AdamW", adamw, {"learning_rate": 0.001, "weight_decay": 0.004, "beta_1": 0.9, "beta_2": 0.999,
+                                   "epsilon": 1e-7}),
+    "rmsprop": Rule("RMSprop", rmsprop, {"learning_rate": 0.001, "rho": 0.9, "epsilon": 1e-7}),
 }
 
 
 # ---------------------------------------------------------------- scope
 def _optimizer_gap(optimizer: dict) -> str | None:
-    if optimizer["class"] not in RULES:
+    """Why no rule models ``optimizer`` (an ``Optimizer.spec``) as it is configured, or None."""
+    modelled = next((r for r in RULES.values() if r.keras_class == optimizer["class"]), None)
+    if modelled is None:
         return f"no rule for keras.optimizers.{optimizer['class']}"
     extra = sorted(set(optimizer) - {"class", "kwargs"})
-    extra += sorted(set(optimizer.get("kwargs", {})) - set(RULES[optimizer["class"]][1]))
+    extra += sorted(set(optimizer.get("kwargs", {})) - set(modelled.defaults))
     return f"{optimizer['class']} with {', '.join(extra)} has no rule" if extra else None
+
+
+def check_named_rules(optimizers: dict) -> None:
+    """Each ``axes.OPTIMIZERS`` entry's ``oracle`` is right: a rule of ``RULES``, of the entry's
+    Keras class, modelling every argument the entry sets; and an entry that a rule models names
+    it, so that no entry leaves the core set by omission. Raises ValueError naming the entry."""
+    classes = [r.keras_class for r in RULES.values()]
+    if len(set(classes)) != len(classes):
+        raise ValueError(f"oracle.RULES: one rule per keras.optimizers class, not {classes}")
+    for name, entry in optimizers.items():
+        gap = _optimizer_gap(entry.spec)
+        where = f"axes.OPTIMIZERS[{name!r}]"
+        if entry.oracle is None:
+            if gap is None:
+                named = next(n for n, r in RULES.items() if r.keras_class == entry.keras_class)
+                raise ValueError(f"{where}: the oracle's rule {named!r} models it as configured; "
+                                 f"say oracle={named!r}")
+        elif entry.oracle not in RULES:
+            raise ValueError(f"{where}: oracle={entry.oracle!r} is not a rule of oracle.RULES "
+                             f"({', '.join(RULES)}); None where no rule models it")
+        elif RULES[entry.oracle].keras_class != entry.keras_class:
+            raise ValueError(f"{where}: oracle={entry.oracle!r} models keras.optimizers."
+                             f"{RULES[entry.oracle].keras_class}, not {entry.keras_class}")
+        elif gap is not None:
+            raise ValueError(f"{where}: oracle={entry.oracle!r}, but {gap}")
+
+
+check_named_rules(axes.OPTIMIZERS)
 
 
 def scope(spec: dict) -> str | None:
@@ -99,7 +145,9 @@ def scope(spec: dict) -> str | None:
         return f"no oracle for the {model} model"
     if spec["data"] not in DATA:
         return f"no oracle for the {spec['data']} data source"
-    return _optimizer_gap(spec["optimizer"])
+    if axes.OPTIMIZERS[spec["optimizer_name"]].oracle is None:
+        return _optimizer_gap(spec["optimizer"])
+    return None
 
 
 def coverage(spec: dict) -> str:
@@ -108,9 +156,9 @@ def coverage(spec: dict) -> str:
     return "yes" if gap is None else f"no: {gap}"
 
 
-def hyperparameters(optimizer: dict) -> dict:
-    rule_defaults = RULES[optimizer["class"]][1]
-    return {**rule_defaults, **optimizer.get("kwargs", {})}
+def rule_of(spec: dict) -> Rule:
+    """The rule that judges the cell ``spec`` (one in the core set: ``scope(spec)`` is None)."""
+    return RULES[axes.OPTIMIZERS[spec["optimizer_name"]].oracle]
 
 
 # ---------------------------------------------------------------- the model, in float64
@@ -178,8 +226,8 @@ def expected(spec: dict, initial_weights: dict) -> Expected:
     """Train the cell's model on the global batches in float64 from ``initial_weights``."""
     x, y = global_data()
     params = {p: np.asarray(w, dtype="float64") for p, w in initial_weights.items()}
-    rule = RULES[spec["optimizer"]["class"]][0]
-    hp = hyperparameters(spec["optimizer"])
+    rule = rule_of(spec)
+    hp = rule.hyperparameters(spec["optimizer"].get("kwargs", {}))
     slots: dict[str, dict] = {p: {} for p in params}
     losses, sizes = [], []
     for step in range(rank_train.STEPS):
@@ -187,7 +235,7 @@ def expected(spec: dict, initial_weights: dict) -> Expected:
         loss, grads = loss_and_grads(params, x[rows], y[rows])
         losses.append(loss)
         sizes.append(len(y[rows]))
-        params = {p: rule(w, grads[p], slots[p], step + 1, hp) for p, w in params.items()}
+        params = {p: rule.update(w, grads[p], slots[p], step + 1, hp) for p, w in params.items()}
     step_losses = logged(losses, sizes, STEPS_PER_EXECUTION.get(spec["compile"], 1))
     prediction, _ = forward(params, x)
     return Expected(losses, step_losses, step_losses[-1:], mse(prediction, y), prediction, params)

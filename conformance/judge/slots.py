@@ -1,5 +1,5 @@
-"""Optimizer slots: how many each sharded variable must have, per optimizer, and the check that
-every one of them is there with the layout it must have.
+"""Optimizer slots: the check that every sharded variable has as many as its optimizer keeps,
+each with the layout it must have.
 
 Why counts: the rank side finds a variable's slots by Keras' slot naming (``rank_train``:
 ``<variable path, "/" -> "_">_<slot>``, e.g. ``mlp_dense_a_kernel_momentum``). A build that
@@ -7,13 +7,14 @@ renames its slots, or keeps its state in another shape, leaves nothing to match,
 that looks only at the slots it found passes on an empty list. So every sharded variable's slots
 are counted, found against expected, and a shortfall (or a surplus) is ``sharding-lost``.
 
-The counts come from each optimizer's ``build()`` in ``keras/src/optimizers/`` of the default
-build, and were measured there (2 ranks, column-sharded MLP and Embedding): SGD keeps a momentum
-only when ``momentum > 0``; Adam keeps momentum and velocity, plus ``velocity_hat`` with amsgrad;
-``use_ema`` adds an ``average`` copy and ``gradient_accumulation_steps`` a
-``gradient_accumulator`` (``BaseOptimizer.build``); RMSprop keeps a velocity, plus a momentum
-when ``momentum > 0`` and an ``average_gradient`` when centered; LossScaleOptimizer only adds
-scalars of its own to its inner optimizer's slots.
+The counts are each optimizer's ``slots`` in ``axes.OPTIMIZERS`` (read here as ``axes.SLOTS``,
+plain data that a reproducer inlines by value). They come from each optimizer's ``build()`` in
+``keras/src/optimizers/`` of the default build, and were measured there (2 ranks, column-sharded
+MLP and Embedding): SGD keeps a momentum only when ``momentum > 0``; Adam keeps momentum and
+velocity, plus ``velocity_hat`` with amsgrad; ``use_ema`` adds an ``average`` copy and
+``gradient_accumulation_steps`` a ``gradient_accumulator`` (``BaseOptimizer.build``); RMSprop
+keeps a velocity, plus a momentum when ``momentum > 0`` and an ``average_gradient`` when
+centered; LossScaleOptimizer only adds scalars of its own to its inner optimizer's slots.
 
 Adafactor and Muon keep per-variable state that is not one copy per variable; see
 ``factored_problem`` and ``muon_uses_adamw``.
@@ -21,52 +22,10 @@ Adafactor and Muon keep per-variable state that is not one copy per variable; se
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
+from conformance.axes import SLOTS
 from conformance.judge.sharding import MESH_AXES, intended
-
-
-@dataclasses.dataclass(frozen=True)
-class Slots:
-    """The optimizer state Keras keeps for one trainable variable."""
-
-    full: int  #: slots shaped like the variable (momentum, velocity, EMA copy, accumulator)
-    #: factored second moments (Adafactor's ``r`` and ``c``): only for variables of rank >= 2
-    factored: int = 0
-    #: Muon: one more full slot (a velocity) for each variable it hands to AdamW (see muon_uses_adamw)
-    adamw_velocity: int = 0
-
-
-#: optimizer name (axes.OPTIMIZERS) -> the slots each of its trainable variables gets.
-SLOTS = {
-    "sgd": Slots(0),
-    "sgd-momentum": Slots(1),
-    "sgd-nesterov": Slots(1),
-    "sgd-weightdecay": Slots(0),
-    "sgd-schedule": Slots(0),
-    "adam": Slots(2),
-    "adam-amsgrad": Slots(3),
-    "adam-clipnorm": Slots(2),
-    "adam-clipvalue": Slots(2),
-    "adam-globalclipnorm": Slots(2),
-    "adam-ema": Slots(3),  # + the EMA copy ("average")
-    "adam-accum": Slots(3),  # + the gradient accumulator
-    "adamw": Slots(2),
-    "adagrad": Slots(1),  # accumulator
-    "adadelta": Slots(2),  # accumulated_grad, accumulated_delta_var
-    "adamax": Slots(2),  # m, u
-    "nadam": Slots(2),  # momentum, velocity (u_product is one scalar)
-    "rmsprop": Slots(1),  # velocity (momentum=0.0 by default)
-    "rmsprop-centered": Slots(2),  # + average_gradient
-    "lion": Slots(1),  # momentum
-    "ftrl": Slots(2),  # accumulator, linear
-    "adafactor": Slots(1, factored=2),  # velocity; r and c for rank >= 2
-    "lamb": Slots(2),
-    "muon": Slots(1, adamw_velocity=1),  # momentum; + velocity where AdamW does the update
-    "schedulefreeadamw": Slots(2),  # momentum (starts as a copy of the variable), velocity
-    "lossscale": Slots(0),  # inner SGD without momentum
-}
 
 
 def muon_uses_adamw(variable: dict) -> bool:
@@ -78,8 +37,8 @@ def muon_uses_adamw(variable: dict) -> bool:
 def expected(optimizer: str, variable: dict) -> dict[str, int]:
     """{"full": n, "factored": m}: the slots ``optimizer`` must keep for ``variable``."""
     slots = SLOTS[optimizer]
-    full = slots.full + (slots.adamw_velocity if muon_uses_adamw(variable) else 0)
-    return {"full": full, "factored": slots.factored if len(variable["shape"]) >= 2 else 0}
+    full = slots["full"] + (slots["adamw_velocity"] if muon_uses_adamw(variable) else 0)
+    return {"full": full, "factored": slots["factored"] if len(variable["shape"]) >= 2 else 0}
 
 
 # ---------------------------------------------------------------- factored slots

@@ -6,7 +6,7 @@ of the cell's kind. The rank gathers three kinds of evidence for the judge:
 
 - value: the result against the same op on plain tensors;
 - placements: the result's placements against those DTensor's own propagation gives for the
-  same computation written in plain torch (``_torch_twins``), run on the same DTensor outside
+  same computation written in plain torch (each op's ``twin``), run on the same DTensor outside
   Keras' promotion mode, with plain operands replicated by DTensor's own rule
   (``implicit_replication``), so the expectation comes from torch, not from the build;
 - compilation: graphs dynamo compiled for the DTensor run against a control, the same function
@@ -15,6 +15,9 @@ of the cell's kind. The rank gathers three kinds of evidence for the judge:
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 from keras_dtensor_conformance import rank_context
@@ -33,136 +36,150 @@ def _along() -> np.ndarray:
     return np.tile(np.array(ALONG_ROWS).reshape(ROWS, 1), (1, COLS))
 
 
-def _ops():
-    import keras.ops as K
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One op of the matrix: everything its cells need, in one place.
 
-    idx = np.array(TAKE_INDICES)
-    along = _along()
-    return {
-        # binary: f(x, other), other of shape ``other`` (None: same as x)
-        "add": ("binary", K.add, None),
-        "subtract": ("binary", K.subtract, None),
-        "multiply": ("binary", K.multiply, None),
-        "divide": ("binary", lambda a, b: K.divide(a, K.abs(b) + 1.0) if not np.isscalar(b) else K.divide(a, b), None),
-        "minimum": ("binary", K.minimum, None),
-        "maximum": ("binary", K.maximum, None),
-        "power": ("binary", lambda a, b: K.power(K.abs(a) + 1.0, b), None),
-        "where": ("binary", lambda a, b: K.where(K.greater(a, 0.0), a, b), None),
-        "matmul": ("binary", K.matmul, (COLS, 3)),
-        "dot": ("binary", K.dot, (COLS, 3)),
-        "einsum": ("binary", lambda a, b: K.einsum("ij,jk->ik", a, b), (COLS, 3)),
-        "concatenate": ("binary", lambda a, b: K.concatenate([a, b], axis=0), None),
-        # unary: f(x)
-        "relu": ("unary", K.relu, None),
-        "exp": ("unary", K.exp, None),
-        "sqrt": ("unary", lambda a: K.sqrt(K.abs(a)), None),
-        "abs": ("unary", K.abs, None),
-        "square": ("unary", K.square, None),
-        "tanh": ("unary", K.tanh, None),
-        "softmax": ("unary", lambda a: K.softmax(a, axis=-1), None),
-        "cast": ("unary", lambda a: K.cast(K.cast(a * 4.0, "int32"), "float32"), None),
-        "sum-axis0": ("unary", lambda a: K.sum(a, axis=0), None),
-        "sum-axis1": ("unary", lambda a: K.sum(a, axis=1), None),
-        "mean-axis0": ("unary", lambda a: K.mean(a, axis=0), None),
-        "mean-axis1": ("unary", lambda a: K.mean(a, axis=1), None),
-        "max-axis0": ("unary", lambda a: K.max(a, axis=0), None),
-        "max-axis1": ("unary", lambda a: K.max(a, axis=1), None),
-        "take": ("unary", lambda a: K.take(a, idx, axis=0), None),
-        "take-along-axis": ("unary", lambda a: K.take_along_axis(a, along, axis=0), None),
-        "slice": ("unary", lambda a: a[1:3], None),
-        "index-array": ("unary", lambda a: a[K.convert_to_tensor(idx)], None),
-        "reshape": ("unary", lambda a: K.reshape(a, (COLS, ROWS)), None),
-        "transpose": ("unary", K.transpose, None),
-        "expand-dims": ("unary", lambda a: K.expand_dims(a, 0), None),
-        "repeat": ("unary", lambda a: K.repeat(a, 2, axis=0), None),
-        "convert-to-numpy": ("unary", K.convert_to_numpy, None),
-        "shape": ("unary", lambda a: tuple(K.shape(a)), None),
-        "is-tensor": ("unary", K.is_tensor, None),
-    }
-
-
-#: Ops whose result is not a tensor (a NumPy array, a shape tuple, a bool): no placements to check.
-NOT_A_TENSOR = ("convert-to-numpy", "shape", "is-tensor")
-
-
-def _torch_twins(device=None):
-    """Each tensor-valued op of ``_ops`` written in plain torch, operand for operand.
-
-    Only the twin's placements are used: they are what DTensor's own sharding propagation gives
-    for the computation, the placements a correct build's result has. A twin takes its operand
-    as the cell hands it (a Python scalar stays a scalar), so ``_as_tensor`` turns a scalar into
-    a tensor where torch needs one, as Keras' ``convert_to_tensor`` does.
-
-    Where torch spells the same computation in two ways that DTensor propagates differently, the
-    entry is a tuple of both and either result's placements is right: ``take`` of rows is
-    ``index_select`` (replicated result of a ``Shard(0)`` input) or an embedding lookup (a
-    ``_MaskPartial`` result: a pending masked sum), and neither loses anything.
+    ``keras`` and ``twin`` are called on the rank as ``keras(keras.ops, idx, along)`` and
+    ``twin(torch, idx, along)`` (``idx``: ``TAKE_INDICES``, ``along``: ``ALONG_ROWS`` per column,
+    as NumPy arrays for Keras and as tensors on the ranks' device for torch) and return the
+    function the cell runs, ``f(x)`` or ``f(x, other)``: Keras and torch are imported on the
+    rank only, and torch's indices must be on the ranks' device. ``twin`` is the same computation in
+    plain torch, whose placements on the same DTensor are the ones a correct build's result has
+    (``twin_placements``); it returns a tuple where torch spells the computation in two ways that
+    DTensor propagates differently, either right. ``twin`` is None for an op whose result is not
+    a tensor (a NumPy array, a shape, a bool): no placements to check.
     """
-    import torch
 
-    t = _as_tensor
-    idx = torch.tensor(TAKE_INDICES, device=device)  # indices on the operand's device (cuda under NCCL)
-    along = torch.from_numpy(_along()).to(device)
-    return {
-        "add": torch.add,
-        "subtract": torch.subtract,
-        "multiply": torch.multiply,
-        "divide": lambda a, b: torch.divide(a, torch.abs(b) + 1.0) if isinstance(b, torch.Tensor) else a / b,
-        "minimum": lambda a, b: torch.minimum(t(a), t(b)),
-        "maximum": lambda a, b: torch.maximum(t(a), t(b)),
-        "power": lambda a, b: torch.pow(torch.abs(a) + 1.0, b),
-        "where": lambda a, b: torch.where(torch.gt(a, 0.0), a, t(b)),
-        "matmul": torch.matmul,
-        "dot": torch.matmul,
-        "einsum": lambda a, b: torch.einsum("ij,jk->ik", a, b),
-        "concatenate": lambda a, b: torch.cat([a, b], dim=0),
-        "relu": torch.relu,
-        "exp": torch.exp,
-        "sqrt": lambda a: torch.sqrt(torch.abs(a)),
-        "abs": torch.abs,
-        "square": torch.square,
-        "tanh": torch.tanh,
-        "softmax": lambda a: torch.softmax(a, dim=-1),
-        "cast": lambda a: (a * 4.0).to(torch.int32).to(torch.float32),
-        "sum-axis0": lambda a: torch.sum(a, dim=0),
-        "sum-axis1": lambda a: torch.sum(a, dim=1),
-        "mean-axis0": lambda a: torch.mean(a, dim=0),
-        "mean-axis1": lambda a: torch.mean(a, dim=1),
-        "max-axis0": lambda a: torch.amax(a, dim=0),
-        "max-axis1": lambda a: torch.amax(a, dim=1),
-        "take": (lambda a: torch.index_select(a, 0, idx), lambda a: torch.nn.functional.embedding(idx, a)),
-        "take-along-axis": lambda a: torch.take_along_dim(a, along, dim=0),
-        "slice": lambda a: a[1:3],
-        "index-array": lambda a: a[idx],
-        "reshape": lambda a: torch.reshape(a, (COLS, ROWS)),
-        "transpose": lambda a: torch.transpose(a, 0, 1),
-        "expand-dims": lambda a: torch.unsqueeze(a, 0),
-        "repeat": lambda a: torch.repeat_interleave(a, 2, dim=0),
-    }
+    kind: str  #: "unary" (f(x)) or "binary" (f(x, other))
+    keras: Callable
+    twin: Callable | None
+    #: binary: the second operand's shape (None: x's); an op taking a matrix of another shape
+    #: takes no scalar (``scalar=False``)
+    other_shape: tuple | None = None
+    scalar: bool = True  #: binary: a Python scalar is among its second operands
 
 
-def _as_tensor(value):
-    import torch
-
-    return value if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.float32)
-
-
-#: name -> "binary" | "unary" (as data for the matrix, without importing Keras in the controller).
-OP_KINDS = {
-    **{n: "binary" for n in ("add", "subtract", "multiply", "divide", "minimum", "maximum", "power", "where",
-                             "matmul", "dot", "einsum", "concatenate")},
-    **{n: "unary" for n in ("relu", "exp", "sqrt", "abs", "square", "tanh", "softmax", "cast", "sum-axis0",
-                            "sum-axis1", "mean-axis0", "mean-axis1", "max-axis0", "max-axis1", "take",
-                            "take-along-axis", "slice", "index-array", "reshape", "transpose", "expand-dims",
-                            "repeat", "convert-to-numpy", "shape", "is-tensor")},
+#: name -> op: the one place to add one. Binary ops first, then unary, in the order of the ids.
+OPS = {
+    # binary: f(x, other)
+    "add": Op("binary", lambda K, *_: K.add, lambda torch, *_: torch.add),
+    "subtract": Op("binary", lambda K, *_: K.subtract, lambda torch, *_: torch.subtract),
+    "multiply": Op("binary", lambda K, *_: K.multiply, lambda torch, *_: torch.multiply),
+    "divide": Op("binary",
+                 lambda K, *_: lambda a, b: K.divide(a, K.abs(b) + 1.0) if not np.isscalar(b) else K.divide(a, b),
+                 lambda torch, *_: lambda a, b: (torch.divide(a, torch.abs(b) + 1.0) if isinstance(b, torch.Tensor)
+                                                 else a / b)),
+    "minimum": Op("binary", lambda K, *_: K.minimum,
+                  lambda torch, *_: lambda a, b: torch.minimum(_as_tensor(a), _as_tensor(b))),
+    "maximum": Op("binary", lambda K, *_: K.maximum,
+                  lambda torch, *_: lambda a, b: torch.maximum(_as_tensor(a), _as_tensor(b))),
+    "power": Op("binary", lambda K, *_: lambda a, b: K.power(K.abs(a) + 1.0, b),
+                lambda torch, *_: lambda a, b: torch.pow(torch.abs(a) + 1.0, b)),
+    "where": Op("binary", lambda K, *_: lambda a, b: K.where(K.greater(a, 0.0), a, b),
+                lambda torch, *_: lambda a, b: torch.where(torch.gt(a, 0.0), a, _as_tensor(b))),
+    "matmul": Op("binary", lambda K, *_: K.matmul, lambda torch, *_: torch.matmul,
+                 other_shape=(COLS, 3), scalar=False),
+    "dot": Op("binary", lambda K, *_: K.dot, lambda torch, *_: torch.matmul, other_shape=(COLS, 3), scalar=False),
+    "einsum": Op("binary", lambda K, *_: lambda a, b: K.einsum("ij,jk->ik", a, b),
+                 lambda torch, *_: lambda a, b: torch.einsum("ij,jk->ik", a, b), other_shape=(COLS, 3), scalar=False),
+    "concatenate": Op("binary", lambda K, *_: lambda a, b: K.concatenate([a, b], axis=0),
+                      lambda torch, *_: lambda a, b: torch.cat([a, b], dim=0), scalar=False),
+    # unary: f(x)
+    "relu": Op("unary", lambda K, *_: K.relu, lambda torch, *_: torch.relu),
+    "exp": Op("unary", lambda K, *_: K.exp, lambda torch, *_: torch.exp),
+    "sqrt": Op("unary", lambda K, *_: lambda a: K.sqrt(K.abs(a)), lambda torch, *_: lambda a: torch.sqrt(torch.abs(a))),
+    "abs": Op("unary", lambda K, *_: K.abs, lambda torch, *_: torch.abs),
+    "square": Op("unary", lambda K, *_: K.square, lambda torch, *_: torch.square),
+    "tanh": Op("unary", lambda K, *_: K.tanh, lambda torch, *_: torch.tanh),
+    "softmax": Op("unary", lambda K, *_: lambda a: K.softmax(a, axis=-1),
+                  lambda torch, *_: lambda a: torch.softmax(a, dim=-1)),
+    "cast": Op("unary", lambda K, *_: lambda a: K.cast(K.cast(a * 4.0, "int32"), "float32"),
+               lambda torch, *_: lambda a: (a * 4.0).to(torch.int32).to(torch.float32)),
+    "sum-axis0": Op("unary", lambda K, *_: lambda a: K.sum(a, axis=0), lambda torch, *_: lambda a: torch.sum(a, dim=0)),
+    "sum-axis1": Op("unary", lambda K, *_: lambda a: K.sum(a, axis=1), lambda torch, *_: lambda a: torch.sum(a, dim=1)),
+    "mean-axis0": Op("unary", lambda K, *_: lambda a: K.mean(a, axis=0),
+                     lambda torch, *_: lambda a: torch.mean(a, dim=0)),
+    "mean-axis1": Op("unary", lambda K, *_: lambda a: K.mean(a, axis=1),
+                     lambda torch, *_: lambda a: torch.mean(a, dim=1)),
+    "max-axis0": Op("unary", lambda K, *_: lambda a: K.max(a, axis=0),
+                     lambda torch, *_: lambda a: torch.amax(a, dim=0)),
+    "max-axis1": Op("unary", lambda K, *_: lambda a: K.max(a, axis=1),
+                     lambda torch, *_: lambda a: torch.amax(a, dim=1)),
+    # Rows by index: torch's index_select (a replicated result of a Shard(0) input) or an
+    # embedding lookup (a _MaskPartial result: a pending masked sum); neither loses anything.
+    "take": Op("unary", lambda K, idx, _: lambda a: K.take(a, idx, axis=0),
+               lambda torch, idx, _: (lambda a: torch.index_select(a, 0, idx),
+                                      lambda a: torch.nn.functional.embedding(idx, a))),
+    "take-along-axis": Op("unary", lambda K, _, along: lambda a: K.take_along_axis(a, along, axis=0),
+                          lambda torch, _, along: lambda a: torch.take_along_dim(a, along, dim=0)),
+    "slice": Op("unary", lambda K, *_: lambda a: a[1:3], lambda torch, *_: lambda a: a[1:3]),
+    "index-array": Op("unary", lambda K, idx, _: lambda a: a[K.convert_to_tensor(idx)],
+                      lambda torch, idx, _: lambda a: a[idx]),
+    "reshape": Op("unary", lambda K, *_: lambda a: K.reshape(a, (COLS, ROWS)),
+                  lambda torch, *_: lambda a: torch.reshape(a, (COLS, ROWS))),
+    "transpose": Op("unary", lambda K, *_: K.transpose, lambda torch, *_: lambda a: torch.transpose(a, 0, 1)),
+    "expand-dims": Op("unary", lambda K, *_: lambda a: K.expand_dims(a, 0),
+                      lambda torch, *_: lambda a: torch.unsqueeze(a, 0)),
+    "repeat": Op("unary", lambda K, *_: lambda a: K.repeat(a, 2, axis=0),
+                 lambda torch, *_: lambda a: torch.repeat_interleave(a, 2, dim=0)),
+    # Not a tensor: no placements to check.
+    "convert-to-numpy": Op("unary", lambda K, *_: K.convert_to_numpy, None),
+    "shape": Op("unary", lambda K, *_: lambda a: tuple(K.shape(a)), None),
+    "is-tensor": Op("unary", lambda K, *_: K.is_tensor, None),
 }
+
+
+def _op_problem(entry) -> str | None:
+    """What is wrong with one row of OPS, or None."""
+    if not isinstance(entry, Op):
+        return f"must be an Op, not {entry!r}"
+    if entry.kind not in ("unary", "binary"):
+        return f"kind {entry.kind!r}: 'unary' or 'binary'"
+    if entry.kind == "unary" and (entry.other_shape is not None or not entry.scalar):
+        return "a unary op has no second operand: no other_shape, no scalar=False"
+    if entry.other_shape is not None and entry.scalar:
+        return f"a second operand of shape {entry.other_shape} is a matrix, never a scalar: say scalar=False"
+    if not callable(entry.keras) or not (entry.twin is None or callable(entry.twin)):
+        return "keras must be callable, and twin callable or None"
+    return None
+
+
+def check_ops(table: dict) -> None:
+    """Every row of ``table`` is a consistent ``Op``; raises ValueError naming the first that is not."""
+    for name, entry in table.items():
+        problem = _op_problem(entry)
+        if problem:
+            raise ValueError(f"ranks/ops.OPS[{name!r}]: {problem}")
+
+
+check_ops(OPS)
+#: name -> "unary" | "binary", in table order: the matrix's rows (test_ops.py).
+OP_KINDS = {name: op.kind for name, op in OPS.items()}
+#: Ops whose result is not a tensor (a NumPy array, a shape tuple, a bool): no placements to check.
+NOT_A_TENSOR = tuple(name for name, op in OPS.items() if op.twin is None)
+#: Binary ops whose second operand cannot be a scalar.
+NO_SCALAR = tuple(name for name, op in OPS.items() if op.kind == "binary" and not op.scalar)
 #: The second operand of a binary op: a plain torch tensor (after or before the DTensor), a Python
 #: scalar, a NumPy array, or a DTensor of another placement.
 OPERANDS = ("tensor", "tensor-first", "scalar", "numpy", "dtensor")
-#: Binary ops whose second operand must be a matrix of another shape: no scalar operand.
-NO_SCALAR = ("matmul", "dot", "einsum", "concatenate")
 PLACEMENTS = ("shard0", "shard1", "replicate")
 OP_COMPILE = ("eager", "compiled")
+
+
+def _twin(entry: Op, device):
+    """The op's torch twin, with its indices on the operand's device (cuda under NCCL)."""
+    import torch
+
+    return entry.twin(torch, torch.tensor(TAKE_INDICES, device=device), torch.from_numpy(_along()).to(device))
+
+
+def _as_tensor(value):
+    """A twin's operand as torch needs it: a Python scalar becomes a tensor, as Keras'
+    ``convert_to_tensor`` makes it."""
+    import torch
+
+    return value if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.float32)
 
 
 def _placement(name: str):
@@ -247,8 +264,10 @@ def op_cell(op: str, operand: str | None, placement: str, compile_mode: str) -> 
     keras.distribution.set_distribution(
         keras.distribution.ModelParallel(layout_map=keras.distribution.LayoutMap(mesh), batch_dim_name="model")
     )
-    kind, fn, other_shape = _ops()[op]
-    if operand == "tensor-first" and op in NO_SCALAR and other_shape is not None:
+    entry = OPS[op]
+    kind, other_shape = entry.kind, entry.other_shape
+    fn = entry.keras(keras.ops, np.array(TAKE_INDICES), _along())
+    if operand == "tensor-first" and other_shape is not None:
         other_shape = (3, ROWS)  # other @ x: (3, 4) @ (4, 8)
     x_np = _x()
     other_np = np.linspace(-1.5, 2.0, int(np.prod(other_shape or x_np.shape)), dtype="float32").reshape(
@@ -285,7 +304,7 @@ def op_cell(op: str, operand: str | None, placement: str, compile_mode: str) -> 
     # The twin runs only after the result was read: DTensor's propagation cache hands the twin's
     # result the same _MaskPartial placement object as the op's, whose mask buffer counts its
     # users, so a twin run first would let the op's result be reduced twice unnoticed.
-    want = None if op in NOT_A_TENSOR else twin_placements(_spellings(_torch_twins(device)[op]), kind, operand, twin_args)
+    want = None if entry.twin is None else twin_placements(_spellings(_twin(entry, device)), kind, operand, twin_args)
     return {
         **evidence,
         "expected_placements": want,

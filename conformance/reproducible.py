@@ -1,0 +1,123 @@
+"""The suite's reproducer families (``--conformance-repro``): what a standalone script of a
+training or an op cell inlines, and the code that runs and judges the cell in it.
+
+The plugin writes the scripts (``keras_dtensor_conformance.report.reproducers``) for the families
+the suite offers through its hook (``conftest.pytest_conformance_reproducer_families``), so the
+modules a script inlines are named here, beside them, not in the plugin. A training script runs
+``ranks/train.train`` and judges with ``judge/fit_checks.fit_failure``, the order of checks the
+suite's judge uses; it compares with a single-process run of the same cell that it starts itself,
+and does not run the NumPy oracle. An op script runs ``ranks/ops.op_cell`` and judges with
+``judge/op_checks.op_failure``.
+"""
+
+from __future__ import annotations
+
+from keras_dtensor_conformance import Family
+
+TRAINING = Family(
+    name="training",
+    prefix="fit",
+    modules=("conformance.judge.sharding", "conformance.judge.slots", "conformance.judge.numerics",
+             "conformance.judge.compile_evidence", "conformance.ranks.train", "conformance.judge.fit_checks"),
+    spec_comment="The cell, literally: model, optimizer (class and arguments), data source, compile mode, layout.",
+    code='''
+#: What a run that does not reproduce did.
+_PASSED = ("trained and passed the suite's checks (sharding, numbers against a single-process run, "
+           "compilation; the suite's NumPy oracle is not run here)")
+#: torchrun's variables: the single-process run must not join (or think it is in) the group.
+_GROUP_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                    "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _subcommand(args):
+    """``FILE --reference OUT``: the single-process run, in a process of its own (no group, no
+    distribution), as the suite's reference runs; what train returns is pickled to OUT."""
+    import pickle
+
+    if len(args) != 2 or args[0] != "--reference":
+        raise SystemExit(f"unknown arguments {args}: run this file with none")
+    import keras
+
+    keras.config.disable_traceback_filtering()
+    value = train(reference_spec(SPEC), False)
+    with open(args[1], "wb") as f:
+        pickle.dump(value, f)
+
+
+def _reference():
+    """This file run again with ``--reference``, torchrun's variables removed from its environment."""
+    import pickle
+    import subprocess
+    import sys
+    import tempfile
+
+    env = {k: v for k, v in os.environ.items() if k not in _GROUP_VARIABLES and not k.startswith("TORCHELASTIC_")}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "reference.pkl")
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--reference", out], env=env,
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the single-process reference failed (exit {proc.returncode}):\\n{proc.stderr[-4000:]}")
+        with open(out, "rb") as f:
+            return pickle.load(f)
+
+
+def _run():
+    """What the suite's ranks ran for this cell; every rank's evidence, gathered (the suite's
+    controller judges all ranks' evidence together, and so does every rank here); and the
+    single-process reference, computed once by rank 0."""
+    import torch.distributed as dist
+
+    value = train(SPEC)
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    reference = [_reference() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(reference, src=0)
+    return values, reference[0]
+
+
+def _judge(evidence):
+    """The suite's own checks in the suite's order (fit_failure, conformance/judge/fit_checks.py,
+    inlined above): (verdict, message) or None."""
+    values, reference = evidence
+    found = fit_failure(SPEC, values, len(values), reference)
+    if found is not None and found[0] == NOT_COMPARABLE:  # the suite skips the cell here
+        print(f"numbers not compared: {found[1]}", flush=True)
+        return None
+    return found
+''',
+)
+
+OPS = Family(
+    name="op",
+    prefix="ops",
+    modules=("conformance.ranks.ops", "conformance.judge.op_checks"),
+    spec_comment="The cell, literally: op_cell's arguments (op, second operand, placement, compile mode).",
+    code='''
+#: What a run that does not reproduce did.
+_PASSED = "the op ran and passed the suite's checks (value, placements, compilation)"
+
+
+def _subcommand(args):
+    raise SystemExit(f"unknown arguments {args}: run this file with none")
+
+
+def _run():
+    """What the suite's ranks ran for this cell, then every rank's evidence, gathered: the suite's
+    controller judges all ranks' evidence together, and so does every rank here."""
+    import torch.distributed as dist
+
+    value = op_cell(**SPEC)
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def _judge(values):
+    """The suite's own checks (conformance/op_checks.py, inlined above): (verdict, message) or None."""
+    return op_failure(SPEC["op"], SPEC["compile_mode"], values)
+''',
+)
+
+#: What ``conftest.pytest_conformance_reproducer_families`` offers the plugin.
+FAMILIES = (TRAINING, OPS)
