@@ -3,9 +3,12 @@ support skips every cell (said once) unless an option says it must have it.
 
 The builds are mutants of the default build (tests/mutants.py): a fork that ships
 keras/src/backend/torch/distribution_lib.py but sets the backend's ``distribution_lib`` to
-None (as keras 3.15.1 does), and a trainer that never wraps the model in DDP. A probe that
-looked for files, or searched the trainer's source for "DistributedDataParallel", would call
-both fully capable.
+None (as keras 3.15.1 does), one whose torch mesh conversion raises, and a trainer that never
+wraps the model in DDP. A probe that looked for files, or searched the trainer's source for
+"DistributedDataParallel", would call them fully capable. The other way round, a correct fork
+whose keras.distribution imports the backend's ``distribution_lib`` inside its functions has
+no such module attribute: a probe that read it would call that build unsupported and skip
+every cell. Every capability is therefore measured by using it through keras.distribution.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from keras_dtensor_conformance.controller.build import probe_build
 from keras_dtensor_conformance.controller.launch import LaunchConfig
 
 from tests.mutants import Mutant, Patch, write_mutant
+from tests.test_mutants import run_suite
 
 USAGE_ERROR = 4
 
@@ -34,7 +38,54 @@ TRAINER_WITHOUT_DDP = Mutant(
            "        if False:  # mutant: never wrap the model in DistributedDataParallel\n"),),
 )
 
+
+def _import_inside(statement: str, indent: str = "    ") -> Patch:
+    """Import the backend's distribution_lib right before ``statement``, inside its function."""
+    return Patch("keras/src/distribution/distribution_lib.py", statement,
+                 f"{indent}from keras.src.backend import distribution_lib  # mutant\n\n{statement}")
+
+
+#: A correct build written differently: keras.distribution's module no longer has a
+#: ``distribution_lib`` attribute, but every function that needs the backend's imports it.
+IMPORTS_INSIDE_FUNCTIONS = Mutant(
+    "distribution-lib-imported-inside-functions",
+    "a fork whose keras/src/distribution/distribution_lib.py imports the backend's distribution_lib "
+    "inside its functions instead of at module top (a correct build, written differently)",
+    (Patch("keras/src/distribution/distribution_lib.py",
+           "from keras.src.backend import distribution_lib\nfrom keras.src.backend.common import global_state\n",
+           "from keras.src.backend.common import global_state\n"),
+     _import_inside("    return distribution_lib.list_devices(device_type)\n"),
+     _import_inside("    return distribution_lib.get_device_count(device_type=device_type)\n"),
+     _import_inside("    distribution_lib.initialize(job_addresses, num_processes, process_id)\n"),
+     _import_inside("            self._backend_mesh = distribution_lib._to_backend_mesh(self)\n", " " * 12),
+     _import_inside("            self._backend_layout = distribution_lib._to_backend_layout(self)\n", " " * 12),
+     _import_inside("        if (\n            distribution_lib is not None\n", " " * 8),
+     _import_inside("    return distribution_lib.distribute_tensor(tensor, layout)\n"),
+     _import_inside("    global_state.set_global_attribute(GLOBAL_ATTRIBUTE_NAME, value)\n")),
+)
+
+MESH_RAISES = Mutant(
+    "torch-mesh-raises",
+    "a fork whose torch distribution_lib is reachable but cannot build a device mesh (a stub)",
+    (Patch("keras/src/backend/torch/distribution_lib.py",
+           "def _to_backend_mesh(device_mesh):\n",
+           "def _to_backend_mesh(device_mesh):\n"
+           "    raise NotImplementedError(\"DeviceMesh is not supported on torch yet\")  # mutant\n"),),
+)
+
+SHARDS_REPLICATED = Mutant(
+    "layouts-replicate",
+    "a torch layout conversion that replicates every axis a LayoutMap asked to shard",
+    (Patch("keras/src/backend/torch/distribution_lib.py",
+           "            placements.append(torch_distributed_tensor.Shard(shard_dim))\n",
+           "            placements.append(torch_distributed_tensor.Replicate())  # mutant\n"),),
+)
+
+MESH_CALL = "keras.distribution.DeviceMesh((1,), ['model'], ['cpu:0']).backend_mesh"
 MEASURED_NO_LIB = "keras.src.backend.distribution_lib, which keras.distribution calls, is None under the torch backend"
+USED_NO_LIB = f"{MESH_CALL} raised AttributeError: 'NoneType' object has no attribute '_to_backend_mesh'"
+FULL_SUPPORT = {"torch_distribution_lib": True, "model_parallel": True, "data_parallel": True}
+NO_SUPPORT = {"torch_distribution_lib": False, "model_parallel": False, "data_parallel": False}
 
 CELLS = """
 def whoami():
@@ -57,14 +108,75 @@ def fork_without_lib(keras_nightly_tree, tmp_path_factory) -> str:
     return write_mutant(keras_nightly_tree, str(tmp_path_factory.mktemp("mutant") / "tree"), DISTRIBUTION_LIB_NONE)
 
 
+@pytest.fixture(scope="module")
+def fork_importing_inside(keras_nightly_tree, tmp_path_factory) -> str:
+    return write_mutant(keras_nightly_tree, str(tmp_path_factory.mktemp("mutant") / "tree"), IMPORTS_INSIDE_FUNCTIONS)
+
+
 def probe(tree: str, tmp_path):
     return probe_build(LaunchConfig(keras_path=tree, keras_home=str(tmp_path)))
 
 
 def test_the_default_build_is_measured_fully_capable(keras_nightly_tree, tmp_path):
     build = probe(keras_nightly_tree, tmp_path)
-    assert build.capabilities == {"torch_distribution_lib": True, "model_parallel": True, "data_parallel": True}
-    assert build.capability_notes["data_parallel"].endswith("ran DistributedDataParallel.forward 1 time(s)")
+    assert build.capabilities == FULL_SUPPORT
+    assert build.capability_notes == {
+        "torch_distribution_lib": f"{MESH_CALL} is a torch DeviceMesh of shape (1,) over ('model',)",
+        "model_parallel": "a sharded Dense kernel is a DTensor placed (Shard(dim=1),) on a mesh over ('model',)",
+        "data_parallel": "train_on_batch under DataParallel ran DistributedDataParallel.forward 1 time(s)",
+    }
+    assert build.skip_reason is None
+
+
+def test_a_fork_importing_the_backend_lib_inside_functions_is_measured_fully_capable(fork_importing_inside,
+                                                                                    tmp_path):
+    """A correct build written differently: keras.distribution's module has no ``distribution_lib``
+    attribute (a probe that read it called this build unsupported), yet every use works."""
+    build = probe(fork_importing_inside, tmp_path)
+    assert build.capabilities == FULL_SUPPORT, build.capability_notes
+    assert build.skip_reason is None
+    assert build.header_lines(2, "gloo")[2] == (
+        "keras torch-distribution capabilities: torch_distribution_lib=yes, model_parallel=yes, data_parallel=yes")
+
+
+#: A ModelParallel cell (column-sharded, Adam slots), a DataParallel cell and a sharded op cell.
+INSIDE_FORK_CELLS = (
+    "conformance/test_fit.py::test_fit[adam-arrays-nojit-colshard]",
+    "conformance/test_fit.py::test_fit[adam-arrays-nojit-dataparallel]",
+    "conformance/test_ops.py::test_op[add-scalar-shard0-eager]",
+)
+
+
+def test_cells_run_and_pass_on_a_fork_importing_the_backend_lib_inside_functions(fork_importing_inside, tmp_path):
+    verdicts = run_suite(fork_importing_inside, INSIDE_FORK_CELLS, tmp_path)
+    assert verdicts == {cell.split("::")[1]: "pass" for cell in INSIDE_FORK_CELLS}
+
+
+def test_a_torch_lib_that_cannot_build_a_mesh_is_no_support(keras_nightly_tree, tmp_path):
+    """The backend's distribution_lib is the torch one and is reachable: only using it tells."""
+    tree = write_mutant(keras_nightly_tree, str(tmp_path / "tree"), MESH_RAISES)
+    build = probe(tree, tmp_path)
+    assert build.capabilities == NO_SUPPORT
+    assert build.skip_reason == (
+        f"Keras 3.16.0.dev2026102704 ({tree}) has no torch distribution support: "
+        f"{MESH_CALL} raised NotImplementedError: DeviceMesh is not supported on torch yet"
+    )
+    assert build.header_lines(2, "gloo")[2] == (
+        "keras torch-distribution capabilities: torch_distribution_lib=no "
+        f"({MESH_CALL} raised NotImplementedError: DeviceMesh is not supported on torch yet), "
+        "model_parallel=no, data_parallel=no"
+    )
+
+
+def test_a_kernel_not_placed_as_asked_is_no_model_parallel(keras_nightly_tree, tmp_path):
+    """A DTensor is not enough: the kernel must carry the placement the LayoutMap asked for."""
+    tree = write_mutant(keras_nightly_tree, str(tmp_path / "tree"), SHARDS_REPLICATED)
+    build = probe(tree, tmp_path)
+    assert build.capabilities == {"torch_distribution_lib": True, "model_parallel": False, "data_parallel": True}
+    assert build.capability_notes["model_parallel"] == (
+        "a sharded Dense kernel is a DTensor placed (Replicate(),) on a mesh over ('model',) "
+        "(asked: (None, 'model'), i.e. (Shard(dim=1),) over ('model',))"
+    )
     assert build.skip_reason is None
 
 
@@ -83,10 +195,10 @@ def test_data_parallel_is_measured_not_grepped(keras_nightly_tree, tmp_path):
 
 def test_a_shipped_but_unreachable_distribution_lib_is_no_support(fork_without_lib, tmp_path):
     build = probe(fork_without_lib, tmp_path)
-    assert build.capabilities == {"torch_distribution_lib": False, "model_parallel": False, "data_parallel": False}
+    assert build.capabilities == NO_SUPPORT
     assert build.skip_reason == (
         f"Keras 3.16.0.dev2026102704 ({fork_without_lib}) has no torch distribution support: {MEASURED_NO_LIB} "
-        "(although the build ships keras/src/backend/torch/distribution_lib.py)"
+        f"(although the build ships keras/src/backend/torch/distribution_lib.py): {USED_NO_LIB}"
     )
 
 
@@ -114,7 +226,7 @@ def test_an_expectations_file_requires_distribution(inner, fork_without_lib):
     assert errors == [
         f"ERROR: Keras 3.16.0.dev2026102704 ({fork_without_lib}) has no torch distribution support, but "
         f"--conformance-expect expect.txt says it must have it: {MEASURED_NO_LIB} "
-        "(although the build ships keras/src/backend/torch/distribution_lib.py)"
+        f"(although the build ships keras/src/backend/torch/distribution_lib.py): {USED_NO_LIB}"
     ], output
     assert inner.leftovers() == []  # no rank started
 
@@ -154,4 +266,27 @@ def test_a_probe_that_crashes_is_a_no_that_says_so(keras_nightly_tree, tmp_path)
     assert build.capability_notes["data_parallel"] == (
         f"probe ended (killed by signal 11 (SIGSEGV)) while measuring it ({DDP_PROBE})"
     )
-    assert build.capability_notes["model_parallel"] == "a sharded Dense kernel is a DTensor"
+    assert build.capability_notes["model_parallel"] == (
+        "a sharded Dense kernel is a DTensor placed (Shard(dim=1),) on a mesh over ('model',)")
+
+
+MESH_PROBE = "Build a keras.distribution.DeviceMesh's backend mesh"
+
+
+def test_a_mesh_probe_that_crashes_is_no_support_that_says_so(keras_nightly_tree, tmp_path):
+    """The device mesh is now built in the process group, under the same protections: a build
+    whose mesh kills the process is "no support", naming the probe, and the others are unmeasured."""
+    tree = write_mutant(keras_nightly_tree, str(tmp_path / "tree"), Mutant(
+        "torch-mesh-segfaults", "a torch mesh conversion that kills the process",
+        (Patch("keras/src/backend/torch/distribution_lib.py", "def _to_backend_mesh(device_mesh):\n",
+               "def _to_backend_mesh(device_mesh):\n"
+               "    __import__('os').kill(__import__('os').getpid(), __import__('signal').SIGSEGV)  # mutant\n"),)))
+    build = probe(tree, tmp_path)
+    assert build.capabilities == NO_SUPPORT
+    assert build.capability_notes == {
+        "torch_distribution_lib": f"probe ended (killed by signal 11 (SIGSEGV)) while measuring it ({MESH_PROBE})",
+        "model_parallel": "not measured: an earlier probe ended the process",
+        "data_parallel": "not measured: an earlier probe ended the process",
+    }
+    note = build.capability_notes["torch_distribution_lib"]
+    assert build.skip_reason.endswith(f"has no torch distribution support: {note}")
