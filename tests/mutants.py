@@ -329,6 +329,24 @@ CASES = (
               "conformance/test_ops.py::test_op[relu-shard0-eager]",
               "conformance/test_setup.py::test_setup[list-devices]"),
     ),
+    # A correct build written differently: max along an axis as torch.max(x, dim).values, which on a
+    # DTensor sharded along that axis completes the reduction (a replicated result) where the
+    # twin, torch.amax, leaves it pending (P(max)). Both are right: every cell must pass.
+    Case(
+        Mutant(
+            "max-as-torch-max",
+            "a correct rewrite, not a bug: keras.ops.max along one axis as torch.max(x, dim).values",
+            (Patch(TORCH + "ops/numpy.py",
+                   "        result = torch.amax(x, dim=axis, keepdim=keepdims)\n",
+                   "        result = (torch.max(x, dim=axis, keepdim=keepdims).values if isinstance(axis, int)\n"
+                   "                  else torch.amax(x, dim=axis, keepdim=keepdims))  # rewrite\n"),),
+        ),
+        {},
+        tier=("conformance/test_ops.py::test_op[max-axis0-shard0-eager]",
+              "conformance/test_ops.py::test_op[max-axis1-shard1-eager]",
+              "conformance/test_ops.py::test_op[max-axis1-shard0-eager]",
+              "conformance/test_ops.py::test_op[max-axis0-replicate-eager]"),
+    ),
     # [no-distribution]
     # [scenarios]
 )

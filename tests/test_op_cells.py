@@ -12,7 +12,7 @@ import pytest
 from keras_dtensor_conformance.rank.outcomes import OK, PoolResult, RankOutcome
 from keras_dtensor_conformance.verdicts import COMPILE_FALLBACK, SHARDING_LOST, CellFailure
 
-from conformance.judge import judge_op
+from conformance.judge import judge_op, op_checks
 from conformance.ranks import ops as rank_ops
 
 
@@ -111,3 +111,36 @@ def test_judge_holds_a_compiled_cell_to_its_control():
         judge_op("add", "compiled", _op_result(placements=["R"], expected_placements=[["R"]], control_graphs=1))
     judge_op("add", "compiled", _op_result(placements=["R"], expected_placements=[["R"]], compiled_graphs=1,
                                            control_graphs=1))
+
+
+# ---------------------------------------------------------------- the placement rule
+@pytest.mark.parametrize(("got", "want", "kept"), [
+    ("S(0)", "S(0)", True),
+    ("R", "P(max)", True),          # torch.max(x, dim).values where torch.amax gives P(max): reduction completed
+    ("S(0)", "P(sum)", True),       # reduced and scattered
+    ("R", "MaskP(sum, (8, 4), 0)", True),  # an embedding lookup's pending masked sum, completed
+    ("S(1)", "R", True),            # more sharded than asked
+    ("R", "S(0)", False),           # gathered: the sharding is lost
+    ("S(1)", "S(0)", False),        # sharded along another dimension
+    ("P(sum)", "R", False),         # a reduction left pending where the twin completed it
+    ("P(sum)", "P(max)", False),    # another reduction
+])
+def test_a_placement_is_kept_when_it_keeps_what_the_twin_promises(got, want, kept):
+    assert op_checks.placement_kept(got, want) is kept
+
+
+def test_a_plain_tensor_keeps_nothing_and_mesh_dims_are_all_checked():
+    assert not op_checks.placements_kept(None, ["S(0)"])
+    assert op_checks.placements_kept(None, None)
+    assert not op_checks.placements_kept(["R", "S(0)"], ["S(0)", "S(0)"])
+    assert op_checks.placements_kept(["S(0)", "R"], ["S(0)", "P(max)"])
+
+
+def test_max_completed_by_torch_max_passes_and_a_gather_still_fails():
+    """The rule on an op cell's evidence: torch.max's replicated result passes where the twin gives
+    P(max); a gathered result where the twin keeps a shard still fails as sharding-lost."""
+    evidence = [{"placements": ["R"], "expected_placements": [["P(max)"]]}] * 2
+    assert op_checks.op_placements_kept("max-axis1", evidence) is None
+    gathered = [{"placements": ["R"], "expected_placements": [["S(0)"]]}] * 2
+    verdict, message = op_checks.op_placements_kept("max-axis1", gathered)
+    assert verdict == "sharding-lost" and "placements ['S(0)']" in message
