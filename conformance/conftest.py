@@ -66,6 +66,14 @@ def pytest_conformance_reproducer_families() -> list:
     return list(reproducible.FAMILIES)
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_conformance_promises() -> list:
+    """The promises of keras.distribution the cells test (``promises.py``), which the report leads with."""
+    from conformance import promises
+
+    return list(promises.PROMISES)
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "training_cell" in metafunc.fixturenames:
         metafunc.parametrize("training_cell", training_params(metafunc.config.getoption("full")))

@@ -1,0 +1,159 @@
+"""The promises of ``keras.distribution`` the suite's cells test: the report leads with them.
+
+One entry per promise, in the order a report shows them: adding one (issue 19's Keras-side data
+sharding, reconciled variables, checkpoints) is one ``Promise`` here. ``tests(cell)`` says which
+cells check it when they run; ``breaks`` which failures break it (verdicts, or a predicate of the
+failed cell); ``kept_despite`` which failures come only after it was checked and held. They read a
+cell of the results model: ``family``, ``axes`` (what the ``cell`` markers record), ``verdict``,
+``message``, ``cause``. The plugin counts, per promise, the cells kept, broken, expected-broken,
+not judged (failed for another reason before this promise was checked) and not tested
+(``keras_dtensor_conformance/report/promises.py``); ``tests/test_promises.py`` holds this table to
+every verdict, so a failure cannot fall outside every promise unnoticed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from keras_dtensor_conformance import (
+    COMPILE_FALLBACK,
+    COMPILE_TIMEOUT,
+    CRASH_VERDICT,
+    ERROR,
+    HANG_VERDICT,
+    MIXED_TENSOR,
+    NO_SHARDING_STRATEGY,
+    NUMERICS,
+    SHARDING_LOST,
+    Promise,
+)
+
+from conformance import axes
+
+#: The communication-budget verdict (issue 18, item 1), named here until the plugin exports it.
+OVER_BUDGET = "over-budget"
+#: The field of a cell that carries one train step's collectives and bytes, once the check records
+#: them: a cell that has it tested the budget. Until then no cell tests it, and the promise reads
+#: "not tested".
+COMMUNICATION = "communication"
+
+#: Layouts whose LayoutMap shards a variable (``replicated`` and ``dataparallel`` shard none).
+SHARDING_LAYOUTS = tuple(name for name, layout in axes.LAYOUTS.items() if layout.get("map"))
+#: Scenarios whose judge holds a kernel to its sharding (``judge.SCENARIO_JUDGES``); the others
+#: (``iterate-dtensor``, ``clear-session-undoes-distribution``) check values or state only.
+SHARDING_SCENARIOS = {"assign-partial", "uneven-sharding", "rank0-convert-to-numpy", "rank0-callback-get-weights",
+                      "rank0-checkpoint-save", "distribution-changed-between-fits", "integer-variable",
+                      "mixed-float16", "mixed-bfloat16", "save-load-keras", "save-load-weights-h5"}
+#: Scenarios whose judge compares values (a read-back, a forward pass, saved weights, a dtype).
+NUMERIC_SCENARIOS = {"iterate-dtensor", "assign-partial", "uneven-sharding", "integer-variable", "mixed-float16",
+                     "mixed-bfloat16", "save-load-keras", "save-load-weights-h5"}
+#: Where in Keras a failure is about the per-process input: the data adapters, and the torch
+#: backend's ``distribute_data_input`` and the trainer's ``_distribute_data`` that calls it.
+INPUT_CODE = ("keras/src/trainers/data_adapters/", " in distribute_data_input", " in _distribute_data")
+
+
+def family(cell: dict) -> str:
+    return cell["family"].split()[0]
+
+
+def fit(cell: dict) -> bool:
+    return family(cell) == "fit"
+
+
+def shards_variables(cell: dict) -> bool:
+    """A training cell whose layout shards a variable, or a scenario that checks a kernel's sharding."""
+    if fit(cell):
+        return cell["axes"].get("layout") in SHARDING_LAYOUTS
+    return family(cell) == "scenarios" and cell["axes"].get("scenario") in SHARDING_SCENARIOS
+
+
+def keeps_slots(cell: dict) -> bool:
+    """A training cell on a sharding layout whose optimizer keeps a slot per variable."""
+    slots = axes.SLOTS.get(cell["axes"].get("optimizer"), {})
+    return fit(cell) and cell["axes"].get("layout") in SHARDING_LAYOUTS and any(slots.values())
+
+
+def about_slots(line: str) -> bool:
+    """A line of a sharding-lost message about optimizer state (``fit_checks.sharding_lost``:
+    ``rank 0 optimizer slot ...``, ``expected 2 optimizer slots for ...``, ``optimizer variables
+    that match no model variable``, a factored slot)."""
+    return "optimizer" in line or "factored" in line
+
+
+def lost_lines(cell: dict) -> list[str]:
+    if cell["verdict"] != SHARDING_LOST:
+        return []
+    return [line for line in cell["message"].splitlines() if line.strip()]
+
+
+def variable_lost(cell: dict) -> bool:
+    """Sharding lost by a model variable (a scenario's kernel included), not only by a slot."""
+    return any(not about_slots(line) for line in lost_lines(cell)) and family(cell) != "ops"
+
+
+def slot_lost(cell: dict) -> bool:
+    return fit(cell) and any(about_slots(line) for line in lost_lines(cell))
+
+
+def input_failure(cell: dict) -> bool:
+    """A training cell that failed in the code that hands each process its input."""
+    where = (cell.get("cause") or {}).get("where", "")
+    return fit(cell) and any(part in where for part in INPUT_CODE)
+
+
+#: Verdicts judged from what every rank returned: the ranks ran to the end, with no mixed tensor
+#: (the judge runs only on a result that succeeded everywhere; ``over-budget`` too, from the
+#: collectives a finished step recorded).
+JUDGED = (NUMERICS, SHARDING_LOST, COMPILE_FALLBACK, OVER_BUDGET)
+
+
+def fit_checked_before(*verdicts: str):
+    """``kept_despite`` for a promise that a training cell's checks hold before those ``verdicts``
+    (``fit_checks.fit_failure``'s order: the sharding of variables and slots together, then the
+    numbers, then compilation)."""
+    return lambda cell: fit(cell) and cell["verdict"] in verdicts
+
+
+def sharding_kept_despite(lost: Callable[[dict], bool]):
+    """A training cell that failed later than the sharding check, or lost only the other kind's
+    sharding (one check looks at the variables and their slots together), kept this kind's."""
+    later = fit_checked_before(NUMERICS, COMPILE_FALLBACK)
+    return lambda cell: later(cell) or (fit(cell) and cell["verdict"] == SHARDING_LOST and not lost(cell))
+
+
+def agreement(cell: dict) -> bool:
+    """Cells that compile metrics or run callbacks every rank must agree on (issue 18, items 2-3):
+    they record a ``metrics`` or ``callbacks`` axis. None does yet: the promise reads "not tested"."""
+    return "metrics" in cell["axes"] or "callbacks" in cell["axes"]
+
+
+PROMISES = (
+    Promise("sharded-variables", "variables keep the layout asked for", tests=shards_variables,
+            breaks=variable_lost, kept_despite=sharding_kept_despite(variable_lost)),
+    Promise("sharded-optimizer-state", "optimizer slots are sharded like their variable", tests=keeps_slots,
+            breaks=slot_lost, kept_despite=sharding_kept_despite(slot_lost)),
+    Promise("communication-budget", "a train step communicates within the layout's budget",
+            tests=lambda cell: cell.get(COMMUNICATION) is not None, breaks=(OVER_BUDGET,)),
+    Promise("per-process-input", "each process's input becomes the global batch", tests=fit,
+            breaks=input_failure, kept_despite=fit_checked_before(COMPILE_FALLBACK)),
+    Promise("metrics-and-callbacks-agree", "every rank reports the metrics and takes the callback decisions "
+            "of a single process", tests=agreement, breaks=lambda cell: agreement(cell) and cell["verdict"] in (
+                NUMERICS, HANG_VERDICT)),
+    Promise("numbers-match-single-process", "numbers match a single process (reference and NumPy oracle)",
+            tests=lambda cell: fit(cell) or cell["axes"].get("scenario") in NUMERIC_SCENARIOS,
+            breaks=lambda cell: cell["verdict"] == NUMERICS and family(cell) in ("fit", "scenarios"),
+            kept_despite=fit_checked_before(COMPILE_FALLBACK)),
+    Promise("compile", "torch.compile compiles the whole step", tests=lambda cell: cell["axes"].get("compile") in (
+        "jit", "compiled"), breaks=(COMPILE_FALLBACK, COMPILE_TIMEOUT)),
+    Promise("ops-keep-placements", "keras.ops on DTensors give the plain values and keep placements",
+            tests=lambda cell: family(cell) == "ops",
+            breaks=lambda cell: family(cell) == "ops" and cell["verdict"] in (NUMERICS, SHARDING_LOST)),
+    Promise("setup", "setup entry points work (initialize, DeviceMesh, LayoutMap, ModelParallel, DataParallel)",
+            tests=lambda cell: family(cell) == "setup", breaks=lambda cell: family(cell) == "setup"),
+    Promise("known-failure-modes", "failure modes real builds hit stay fixed (scenarios)",
+            tests=lambda cell: family(cell) == "scenarios", breaks=lambda cell: family(cell) == "scenarios"),
+    Promise("dtensor-dispatch", "no mixed Tensor/DTensor, no missing sharding strategy", tests=lambda cell: True,
+            breaks=(MIXED_TENSOR, NO_SHARDING_STRATEGY), kept_despite=JUDGED),
+    Promise("runs-to-the-end", "every rank runs to the end: no error, crash or hang", tests=lambda cell: True,
+            breaks=(ERROR, CRASH_VERDICT, HANG_VERDICT), kept_despite=JUDGED),
+)
