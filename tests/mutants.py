@@ -134,6 +134,14 @@ _SHARDED = ("sgd-arrays-nojit-colshard", "adam-arrays-nojit-colshard", "adam-dat
 _FIT = (*_SHARDED, "adam-arrays-nojit-replicated", "adam-arrays-nojit-dataparallel", "sgd-arrays-jit-dataparallel")
 
 
+#: The agreement cells the metrics mutants run: DataParallel's, and ModelParallel's that they must not reach.
+AGREEMENT_TIER = tuple(f"conformance/test_agreement.py::{cell}" for cell in (
+    "test_metrics[mae-dataparallel]", "test_metrics[weighted-mae-dataparallel]",
+    "test_callbacks[earlystopping-dataparallel]", "test_callbacks[reducelronplateau-dataparallel]",
+    "test_callbacks[modelcheckpoint-dataparallel]", "test_metrics[accuracy-colshard]",
+    "test_metrics[mae-batchshard]", "test_callbacks[earlystopping-batchshard]"))
+
+
 def _ids(*names: str) -> list[str]:
     return [f"test_fit[{n}]" if "-arrays-" in n or "-dataloader-" in n else n for n in names]
 
@@ -349,6 +357,22 @@ CASES = (
     ),
     # [no-distribution]
     # [scenarios]
+    # [agreement]
+    Case(
+        Mutant(
+            "dataparallel-metrics-not-reduced",
+            "DataParallel stops all-reducing metric variables: each replica reports its own local batch's "
+            "metrics (and loss), so callbacks on different ranks decide on different values",
+            (Patch(TORCH + "trainer.py",
+                   "    def get_metrics_result(self):\n        if not torch.distributed.is_initialized():\n",
+                   "    def get_metrics_result(self):\n        if not torch.distributed.is_initialized() or isinstance(\n"
+                   "            distribution(), DataParallel\n        ):  # mutant: replicas report their own batch\n"),),
+        ),
+        {**{f"test_metrics[{m}-dataparallel]": "numerics" for m in ("mae", "weighted-mae")},
+         **{f"test_callbacks[{c}-dataparallel]": "numerics"
+            for c in ("earlystopping", "reducelronplateau", "modelcheckpoint")}},
+        tier=AGREEMENT_TIER,
+    ),
 )
 
 
