@@ -125,7 +125,7 @@ def _describe(field: str, decision: dict | None) -> str:
     if field == "stop_training":
         return "stopped training" if decision["stop_training"] else "went on training"
     if field == "learning_rate":
-        return f"left the learning rate at {decision['learning_rate']:.6g}"
+        return f"ended the epoch with learning rate {decision['learning_rate']:.6g}"
     return "wrote the checkpoint" if decision.get("wrote_checkpoint") else "wrote no checkpoint"
 
 
@@ -159,7 +159,8 @@ def decisions_differ(callback: str, decisions: list[list[dict]], finished: list[
                     if field == "stop_training" or not all(finished) else "")
             head = f"{name}: the ranks decided differently at epoch {epoch + 1}: {ranks}{hang}"
             if len(values) > 1:
-                return NUMERICS, head + f" (each rank decided on its own {monitor}: the logs were not reduced across ranks)"
+                return NUMERICS, head + (f" (each rank decided on its own {monitor}: the logs were not reduced "
+                                         "across ranks)")
             return ERROR, head + f" (on the same {monitor})"
         if any(a is None for _, a in known):  # a rank that returned without this epoch: it stopped
             ran = "; ".join(f"rank {rank} {'ran' if a is not None else 'did not run'} it" for rank, a in known)
