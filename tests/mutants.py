@@ -134,6 +134,14 @@ _SHARDED = ("sgd-arrays-nojit-colshard", "adam-arrays-nojit-colshard", "adam-dat
 _FIT = (*_SHARDED, "adam-arrays-nojit-replicated", "adam-arrays-nojit-dataparallel", "sgd-arrays-jit-dataparallel")
 
 
+#: The agreement cells the metrics mutants run: DataParallel's, and ModelParallel's that they must not reach.
+AGREEMENT_TIER = tuple(f"conformance/test_agreement.py::{cell}" for cell in (
+    "test_metrics[mae-dataparallel]", "test_metrics[weighted-mae-dataparallel]",
+    "test_callbacks[earlystopping-dataparallel]", "test_callbacks[reducelronplateau-dataparallel]",
+    "test_callbacks[modelcheckpoint-dataparallel]", "test_metrics[accuracy-colshard]",
+    "test_metrics[mae-batchshard]", "test_callbacks[earlystopping-batchshard]"))
+
+
 def _ids(*names: str) -> list[str]:
     return [f"test_fit[{n}]" if "-arrays-" in n or "-dataloader-" in n else n for n in names]
 
@@ -349,7 +357,76 @@ CASES = (
     ),
     # [no-distribution]
     # [scenarios]
+    # [agreement]
+    Case(
+        Mutant(
+            "dataparallel-metrics-not-reduced",
+            "DataParallel stops all-reducing metric variables: each replica reports its own local batch's "
+            "metrics (and loss), so callbacks on different ranks decide on different values",
+            (Patch(TORCH + "trainer.py",
+                   "    def get_metrics_result(self):\n        if not torch.distributed.is_initialized():\n",
+                   "    def get_metrics_result(self):\n"
+                   "        if not torch.distributed.is_initialized() or isinstance(\n"
+                   "            distribution(), DataParallel\n"
+                   "        ):  # mutant: replicas report their own batch\n"),),
+        ),
+        {**{f"test_metrics[{m}-dataparallel]": "numerics" for m in ("mae", "weighted-mae")},
+         **{f"test_callbacks[{c}-dataparallel]": "numerics"
+            for c in ("earlystopping", "reducelronplateau", "modelcheckpoint")}},
+        tier=AGREEMENT_TIER,
+    ),
+    # A correct build written differently: metrics that see the global batch (DataParallel gathers
+    # y, y_pred and sample weights before updating the compiled metrics; ModelParallel's DTensor
+    # states already hold it), so only the loss tracker's local sums are all-reduced. A running
+    # maximum is then the global one, as in one process: every agreement cell must pass, the max
+    # cells that the nightly fails (by summing maxima) included.
+    Case(
+        Mutant(
+            "metrics-over-global-batch",
+            "a correct rewrite, not a bug: metrics updated on the gathered global batch, only the loss "
+            "tracker all-reduced",
+            (Patch(TORCH + "trainer.py",
+                   "    def get_metrics_result(self):\n        if not torch.distributed.is_initialized():\n",
+                   "    def compute_metrics(self, x, y, y_pred, sample_weight=None):  # rewrite\n"
+                   "        active = distribution()\n"
+                   "        if torch.distributed.is_initialized() and not isinstance(active, ModelParallel):\n"
+                   "            group = None if active is None else active.device_mesh.backend_mesh.get_group(\n"
+                   "                active.batch_dim_name)\n"
+                   "\n"
+                   "            def gather(t):\n"
+                   "                if not isinstance(t, torch.Tensor):\n"
+                   "                    return t\n"
+                   "                t = t.detach().contiguous()\n"
+                   "                parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]\n"
+                   "                dist.all_gather(parts, t, group=group)\n"
+                   "                return torch.cat(parts)\n"
+                   "\n"
+                   "            y, y_pred, sample_weight = tree.map_structure(gather, (y, y_pred, sample_weight))\n"
+                   "        return super().compute_metrics(x, y, y_pred, sample_weight=sample_weight)\n"
+                   "\n"
+                   "    def get_metrics_result(self):\n        if not torch.distributed.is_initialized():\n"),
+             Patch(TORCH + "trainer.py",
+                   "            reduced_vars = []\n            for v in self.metrics_variables:\n",
+                   "            reduced_vars = []\n"
+                   "            loss_state = {id(v) for v in self._loss_tracker.variables}  # rewrite\n"
+                   "            for v in self.metrics_variables:\n"),
+             Patch(TORCH + "trainer.py",
+                   "                    ).to_local()\n                dist.all_reduce(\n",
+                   "                    ).to_local()  # rewrite: already the global batch's\n"
+                   "                elif id(v) in loss_state:  # rewrite: only the loss tracker is local\n"
+                   "                  dist.all_reduce(\n"),
+             ),
+        ),
+        {},
+        tier=(*AGREEMENT_TIER, "conformance/test_agreement.py::test_metrics[max-dataparallel]",
+              "conformance/test_agreement.py::test_metrics[max-batchshard]"),
+    ),
 )
+
+
+#: Cells of some mutant's tier that the unmutated build fails, each with its verdict: the build's own bug
+#: (in its expectations file too), in a tier so that a correct rewrite shows the cell passes without it.
+UNMUTATED_FAILS = {"test_metrics[max-dataparallel]": "numerics", "test_metrics[max-batchshard]": "numerics"}
 
 
 def unmutated_tier() -> tuple[str, ...]:

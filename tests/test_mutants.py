@@ -3,7 +3,8 @@
 Every mutant (tests/mutants.py) is the default build with one bug put back in, run through the
 suite with --keras-path on a small tier of cells. The cells the bug reaches must get the named
 verdict and every other cell of the tier must still pass: no collateral noise. The unmutated
-build passes the same tier. ``--mutants-tier default`` runs each mutant on the whole default tier
+build passes the same tier, but for its own bugs that a correct rewrite's tier holds
+(``mutants.UNMUTATED_FAILS``). ``--mutants-tier default`` runs each mutant on the whole default tier
 instead, and reports how many verdicts changed.
 """
 
@@ -44,7 +45,7 @@ def test_unmutated_build_passes_the_mutant_tier(keras_nightly_tree, tmp_path):
     tier = mutants.unmutated_tier()
     verdicts = run_suite(keras_nightly_tree, tier, tmp_path)
     assert len(verdicts) == len(tier)
-    assert {c: v for c, v in verdicts.items() if v != "pass"} == {}
+    assert {c: v for c, v in verdicts.items() if v != "pass"} == mutants.UNMUTATED_FAILS
 
 
 @pytest.mark.parametrize("case", mutants.CASES, ids=[c.mutant.name for c in mutants.CASES])

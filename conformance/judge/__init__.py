@@ -22,7 +22,7 @@ from keras_dtensor_conformance import (
     fail,
 )
 
-from conformance.judge import fit_checks, oracle
+from conformance.judge import agreement, fit_checks, oracle
 from conformance.judge.op_checks import op_failure
 
 
@@ -203,3 +203,21 @@ def judge_scenario(judge: str, result) -> None:
     ran_everywhere(result)
     for value in result.values:
         SCENARIO_JUDGES[judge](value, result)
+
+
+# ---------------------------------------------------------------- agreement cells
+def judge_agreement(spec: dict, result, reference) -> None:
+    """A metrics or callback cell: ``agreement.agreement_failure``'s checks. A rank that did not return
+    is judged by the decisions every rank printed before it (a callback that decided alone), else
+    classified as any cell's failure."""
+    values = [o.value if o.ok else None for o in result.outcomes]
+    evidence = reference.values[0] if reference.ok else None
+    found = agreement.agreement_failure(spec, values, [o.stdout for o in result.outcomes], evidence)
+    if found is None:
+        return
+    verdict, message = found
+    if verdict == agreement.RANKS_FAILED:
+        fail(result)
+    if verdict == agreement.NO_REFERENCE:
+        raise CellFailure(ERROR, "the single-process reference failed:\n" + reference.story(), reference)
+    raise CellFailure(verdict, message if result.ok else f"{message}\nthen: {result.summary()}", result)
