@@ -122,9 +122,9 @@ def sharding_kept_despite(lost: Callable[[dict], bool]):
 
 
 def agreement(cell: dict) -> bool:
-    """Cells that compile metrics or run callbacks every rank must agree on (issue 18, items 2-3):
-    they record a ``metrics`` or ``callbacks`` axis. None does yet: the promise reads "not tested"."""
-    return "metrics" in cell["axes"] or "callbacks" in cell["axes"]
+    """Cells that compile metrics or run callbacks every rank must agree on (``test_agreement.py``:
+    they record a ``metric`` or a ``callback`` axis)."""
+    return "metric" in cell["axes"] or "callback" in cell["axes"]
 
 
 PROMISES = (

@@ -155,6 +155,20 @@ def test_every_verdict_of_every_family_breaks_a_promise_the_cell_tests():
             assert broken, f"{verdict} on a {family} cell breaks no promise"
 
 
+def test_agreement_cells_test_and_break_metrics_and_callbacks_agree():
+    """The cells of conformance/test_agreement.py (a ``metric`` or ``callback`` axis) are what the
+    promise is about: a passing one keeps it, a numerics one breaks it; a training cell does not test it."""
+    kept = record("mae-dataparallel", "pass", "passed", family="agreement metrics", metric="mae",
+                  layout="dataparallel", compile="nojit")
+    broken = record("earlystopping-dataparallel", "numerics", "failed", family="agreement callbacks",
+                    callback="earlystopping", layout="dataparallel")
+    plain = record("adam-fit", "pass", "passed")
+    states = {c["id"]: c["promises"] for c in report_of([kept, broken, plain])["cells"]}
+    assert states["mae-dataparallel"]["metrics-and-callbacks-agree"] == "kept"
+    assert states["earlystopping-dataparallel"]["metrics-and-callbacks-agree"] == "broken"
+    assert "metrics-and-callbacks-agree" not in states["adam-fit"]
+
+
 def test_the_scenario_sets_follow_the_scenarios_judges():
     """A scenario is in the sharding (numbers) set exactly when its judge checks a kernel's sharding (values)."""
     sharding_judges = {"partial", "uneven", "rank-zero-only", "changed", "integer", "precision", "saved"}
