@@ -100,10 +100,11 @@ def test_gathered_gradients_are_over_budget_naming_the_op_and_the_tensor():
     assert found is not None
     verdict, message = found
     assert verdict == OVER_BUDGET
-    assert "rank 0: all_gather_into_tensor [8, 8] -> [16, 8] (512 bytes): DTensor.redistribute (full_tensor) made " \
+    assert "ranks 0, 1: all_gather_into_tensor [8, 8] -> [16, 8] (512 bytes): DTensor.redistribute (full_tensor) made " \
            "a (8, 16) tensor whole, ['P(sum)', 'S(1)'] -> ['R', 'R']: a full-size copy of mlp/dense_a/kernel " \
            "(sharded ['R', 'S(1)'], 64 of 128 elements on this rank)" in message
-    assert "all_gather_into_tensor [8, 4] -> [16, 4] (256 bytes)" in message and "rank 1:" in message
+    assert "all_gather_into_tensor [8, 4] -> [16, 4] (256 bytes)" in message
+    assert len(message.splitlines()) == 1 + 4  # each finding once, with the ranks it holds on
     assert "optimizer.apply received mlp/dense_b/kernel's gradient as a plain Tensor (16, 4)" in message
     # The biases are not sharded by the layout: their gathers are not judged.
     assert "bias" not in message
@@ -114,9 +115,9 @@ def test_a_plain_whole_gradient_is_over_budget_however_it_was_made():
     value = default_build_rank()
     value["communication"]["gradients"][0] = gradient("mlp/dense_a/kernel", [8, 16])
     lines = full_size_copies(value)
-    assert lines == ["optimizer.apply received mlp/dense_a/kernel's gradient as a plain Tensor (8, 16), the whole "
-                     "of mlp/dense_a/kernel (sharded ['R', 'S(1)'], 64 of 128 elements on this rank): made whole "
-                     "before the update"]
+    assert lines == [("optimizer.apply received mlp/dense_a/kernel's gradient as a plain Tensor (8, 16), the whole "
+                      "of mlp/dense_a/kernel (sharded ['R', 'S(1)'], 64 of 128 elements on this rank): made whole "
+                      "before the update")]
     # A plain LOCAL part is not a whole copy.
     value["communication"]["gradients"][0] = gradient("mlp/dense_a/kernel", [8, 8])
     assert full_size_copies(value) == []
@@ -159,6 +160,11 @@ def test_figures_per_rank_for_the_report():
     assert [(r["rank"], r["count"], r["redistributions"]) for r in got["ranks"]] == [(0, 9, 0), (1, 10, 4)]
     assert got["ranks"][0]["bytes"] == 3896
     assert len(got["full_size_copies"]) == 4 and all(line.startswith("rank 1: ") for line in got["full_size_copies"])
+    # An uneven split: a line that differs by rank is kept per rank.
+    other = gathered_rank()
+    other["stages"]["fit"][0]["local_shape"] = (8, 4)
+    lines = over_budget(COLSHARD, [gathered_rank(), other], 2)[1].splitlines()[1:]
+    assert [line.split(":")[0] for line in lines] == ["rank 0", "ranks 0, 1", "rank 0", "ranks 0, 1", "rank 1", "rank 1"]
     missing = copy.deepcopy(ranks)
     del missing[1]["communication"]
     assert figures(missing) is None

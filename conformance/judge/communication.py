@@ -65,9 +65,12 @@ def _variable(v: dict) -> str:
             f"{math.prod(v['shape'])} elements on this rank)")
 
 
+def _shapes(shapes: list) -> str:
+    return ", ".join(str(list(s)) for s in shapes)
+
+
 def _call(call: dict) -> str:
-    shapes = lambda ts: ", ".join(str(list(t)) for t in ts)  # noqa: E731
-    return f"{call['op']} {shapes(call['inputs'])} -> {shapes(call['outputs'])} ({call['bytes']} bytes)"
+    return f"{call['op']} {_shapes(call['inputs'])} -> {_shapes(call['outputs'])} ({call['bytes']} bytes)"
 
 
 def full_size_copies(value: dict) -> list[str]:
@@ -97,12 +100,22 @@ def full_size_copies(value: dict) -> list[str]:
     return found
 
 
+def by_ranks(values: list[dict]) -> list[str]:
+    """``full_size_copies`` of every rank, each line once, prefixed with the ranks it holds on
+    (``rank 0: ...``, ``ranks 0, 1, 2, 3: ...``), in the order first found."""
+    ranks: dict[str, list[int]] = {}
+    for rank, value in enumerate(values):
+        for line in full_size_copies(value):
+            ranks.setdefault(line, []).append(rank)
+    return [f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {line}" for line, r in ranks.items()]
+
+
 def over_budget(spec: dict, values: list[dict], nproc: int) -> tuple[str, str] | None:
     """A ModelParallel cell's step made no full-size copy of a sharded variable, its gradient or
     an optimizer slot on any rank (``full_size_copies``); other layouts are not judged."""
     if spec["layout"]["kind"] != "model-parallel":
         return None
-    problems = [f"rank {rank}: {line}" for rank, value in enumerate(values) for line in full_size_copies(value)]
+    problems = by_ranks(values)
     if not problems:
         return None
     return OVER_BUDGET, ("one train step materialised full-size copies of sharded tensors (ModelParallel keeps a "
@@ -119,5 +132,5 @@ def figures(values: list[dict]) -> dict | None:
         "measured": ranks[0]["measured"],
         "ranks": [{"rank": rank, "count": c["count"], "bytes": c["bytes"], "ops": c["ops"],
                    "redistributions": len(c["redistributions"])} for rank, c in enumerate(ranks)],
-        "full_size_copies": [f"rank {rank}: {line}" for rank, v in enumerate(values) for line in full_size_copies(v)],
+        "full_size_copies": by_ranks(values),
     }
