@@ -168,3 +168,23 @@ def test_figures_per_rank_for_the_report():
     missing = copy.deepcopy(ranks)
     del missing[1]["communication"]
     assert figures(missing) is None
+
+
+def test_the_figures_reach_the_json_and_the_html_report():
+    from keras_dtensor_conformance.report.html import html_page
+    from keras_dtensor_conformance.report.recorder import CellRecord
+    from keras_dtensor_conformance.report.results import build_report
+
+    ranks = [default_build_rank(), default_build_rank()]
+    for value in ranks:
+        value["communication"]["ops"] = {"all_gather_into_tensor": {"count": 5, "bytes": 2256}}
+    record = CellRecord("test_fit[sgd-arrays-nojit-colshard]", "conformance/test_fit.py::test_fit[x]", "fit colshard",
+                        "sgd", "arrays/nojit", {"layout": "colshard"}, verdict="pass", outcome="passed",
+                        communication=figures(ranks))
+    report = build_report([record], {"keras_version": "3.16"}, 1.0)
+    cell = report["cells"][0]
+    assert cell["communication"]["ranks"][1] == {"rank": 1, "count": 9, "bytes": 3896, "redistributions": 0,
+                                                 "ops": {"all_gather_into_tensor": {"count": 5, "bytes": 2256}}}
+    page = html_page(report)
+    assert '"communication": {"measured": "one eager train_on_batch"' in page
+    assert "collectives / ${c.communication.ranks[0].bytes} B per step on rank 0" in page  # the grid's tooltip
