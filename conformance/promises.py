@@ -24,17 +24,15 @@ from keras_dtensor_conformance import (
     MIXED_TENSOR,
     NO_SHARDING_STRATEGY,
     NUMERICS,
+    OVER_BUDGET,
     SHARDING_LOST,
     Promise,
 )
 
 from conformance import axes
 
-#: The communication-budget verdict (issue 18, item 1), named here until the plugin exports it.
-OVER_BUDGET = "over-budget"
-#: The field of a cell that carries one train step's collectives and bytes, once the check records
-#: them: a cell that has it tested the budget. Until then no cell tests it, and the promise reads
-#: "not tested".
+#: The field of a cell that carries one train step's collectives and bytes (``test_fit`` records it
+#: for every training cell that ran everywhere): a cell that has it tested the budget.
 COMMUNICATION = "communication"
 
 #: Layouts whose LayoutMap shards a variable (``replicated`` and ``dataparallel`` shard none).

@@ -13,6 +13,7 @@ import pytest
 
 from conformance import axes
 from conformance.judge import judge_fit, skip_if_not_in_build
+from conformance.judge.communication import figures
 from conformance.ranks import train as rank_train
 
 
@@ -27,4 +28,11 @@ def test_fit(training_cell, keras_ranks, reference_for, request):
     request.node.user_properties.append(("spec", spec))
     result = keras_ranks.run(rank_train.train, spec)
     skip_if_not_in_build(result)
+    record_communication(result, request)
     judge_fit(spec, result, reference_for(spec), keras_ranks.nproc)
+
+
+def record_communication(result, request) -> None:
+    """The cell's collectives per train step (``communication.figures``), for the JSON and HTML reports."""
+    if result.ok:
+        request.node.user_properties.append(("communication", figures(result.values)))

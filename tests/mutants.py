@@ -355,6 +355,29 @@ CASES = (
               "conformance/test_ops.py::test_op[max-axis1-shard0-eager]",
               "conformance/test_ops.py::test_op[max-axis0-replicate-eager]"),
     ),
+    # [communication]
+    Case(
+        Mutant(
+            "gradients-gathered",
+            "every sharded gradient made a full tensor (full_tensor()) before the optimizer update, the "
+            "kind of fix a mixed-tensor error invites: the promotion mode slices the update back onto the "
+            "shards, so values and placements stay right while every rank materialises every full "
+            "gradient every step",
+            (Patch(TORCH + "trainer.py",
+                   "            # Update weights\n            with torch.no_grad():\n"
+                   "                self.optimizer.apply(gradients, trainable_weights)\n",
+                   "            # Update weights\n"
+                   "            from torch.distributed.tensor import DTensor  # mutant\n"
+                   "            gradients = [  # mutant: every sharded gradient made whole\n"
+                   "                g.full_tensor() if isinstance(g, DTensor) else g for g in gradients\n"
+                   "            ]\n"
+                   "            with torch.no_grad():\n"
+                   "                self.optimizer.apply(gradients, trainable_weights)\n"),),
+        ),
+        {c: "over-budget" for c in _ids("sgd-arrays-nojit-colshard", "adam-arrays-nojit-colshard",
+                                        "adam-dataloader-nojit-rowshard")},
+        tier=TIER[:7],
+    ),
     # [no-distribution]
     # [scenarios]
     # [agreement]

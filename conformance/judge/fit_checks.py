@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from keras_dtensor_conformance import COMPILE_FALLBACK, ERROR, NUMERICS, SHARDING_LOST
 
+from conformance.judge.communication import over_budget
 from conformance.judge.compile_evidence import compile_problems
 from conformance.judge.numerics import numerics_problems
 from conformance.judge.sharding import sharding_problems
@@ -113,13 +114,14 @@ def fit_failure(spec: dict, values: list[dict], nproc: int, reference: dict | No
     """The first check a trained cell fails, as ``(verdict, message)``, or None: it passes.
 
     The order: the sharding (which needs no reference, so a cell that lost it says so whatever
-    became of the reference); the reference itself (that it ran, ``reference`` None being
+    became of the reference); the communication of a step (``communication.over_budget``: no
+    full-size copy of a variable the sharding check has just held to its layout); the reference itself (that it ran, ``reference`` None being
     ``NO_REFERENCE``, and on the ranks' device); whether its numbers are comparable (else
     ``(NOT_COMPARABLE, why)``); the numbers; ``oracle``, a further check of the numbers that the
     caller may add (the suite's NumPy oracle); and compilation last, since a step that computes
     the wrong numbers or loses its sharding is that failure whether or not it compiled.
     """
-    found = sharding_lost(spec, values, nproc)
+    found = sharding_lost(spec, values, nproc) or over_budget(spec, values, nproc)
     if found is not None:
         return found
     if reference is None:

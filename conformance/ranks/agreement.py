@@ -25,7 +25,6 @@ from keras_dtensor_conformance import rank_context
 from conformance.judge.agreement import DECISION_PREFIX
 from conformance.ranks import train as rank_train
 
-
 #: The offset added to the targets of the validation rows that the first half of every global
 #: batch holds (rank 0's part under DataParallel and a 2x1 mesh): that part's validation loss is
 #: about 10, the other part's about 1, the global one about 5.5. A callback's threshold between
