@@ -124,6 +124,9 @@ def references(conformance_state, keras_ranks):
 def pytest_addoption(parser):
     parser.addoption("--mutants-tier", choices=("small", "default"), default="small",
                      help="cells each mutant build runs: a small tier (default) or the whole default tier.")
+    parser.addoption("--reproducer-proofs", choices=("one-per-path", "all"), default="one-per-path",
+                     help="reproducer proofs under torchrun: one per path a script takes (default: a raised "
+                          "training verdict, a judged training verdict, a judged op verdict), or every one.")
 
 
 def pytest_terminal_summary(terminalreporter):
