@@ -108,14 +108,14 @@ JUDGED = (NUMERICS, SHARDING_LOST, COMPILE_FALLBACK, OVER_BUDGET)
 def fit_checked_before(*verdicts: str):
     """``kept_despite`` for a promise that a training cell's checks hold before those ``verdicts``
     (``fit_checks.fit_failure``'s order: the sharding of variables and slots together, then the
-    numbers, then compilation)."""
+    communication of a step, then the numbers, then compilation)."""
     return lambda cell: fit(cell) and cell["verdict"] in verdicts
 
 
 def sharding_kept_despite(lost: Callable[[dict], bool]):
     """A training cell that failed later than the sharding check, or lost only the other kind's
     sharding (one check looks at the variables and their slots together), kept this kind's."""
-    later = fit_checked_before(NUMERICS, COMPILE_FALLBACK)
+    later = fit_checked_before(OVER_BUDGET, NUMERICS, COMPILE_FALLBACK)
     return lambda cell: later(cell) or (fit(cell) and cell["verdict"] == SHARDING_LOST and not lost(cell))
 
 
@@ -131,7 +131,8 @@ PROMISES = (
     Promise("sharded-optimizer-state", "optimizer slots are sharded like their variable", tests=keeps_slots,
             breaks=slot_lost, kept_despite=sharding_kept_despite(slot_lost)),
     Promise("communication-budget", "a train step communicates within the layout's budget",
-            tests=lambda cell: cell.get(COMMUNICATION) is not None, breaks=(OVER_BUDGET,)),
+            tests=lambda cell: cell.get(COMMUNICATION) is not None, breaks=(OVER_BUDGET,),
+            kept_despite=fit_checked_before(NUMERICS, COMPILE_FALLBACK)),
     Promise("per-process-input", "each process's input becomes the global batch", tests=fit,
             breaks=input_failure, kept_despite=fit_checked_before(COMPILE_FALLBACK)),
     Promise("metrics-and-callbacks-agree", "every rank reports the metrics and takes the callback decisions "
@@ -145,7 +146,9 @@ PROMISES = (
         "jit", "compiled"), breaks=(COMPILE_FALLBACK, COMPILE_TIMEOUT)),
     Promise("ops-keep-placements", "keras.ops on DTensors give the plain values and keep placements",
             tests=lambda cell: family(cell) == "ops",
-            breaks=lambda cell: family(cell) == "ops" and cell["verdict"] in (NUMERICS, SHARDING_LOST)),
+            breaks=lambda cell: family(cell) == "ops" and cell["verdict"] in (NUMERICS, SHARDING_LOST),
+            # op_checks.op_failure's order: the value, the placements, then compilation.
+            kept_despite=lambda cell: family(cell) == "ops" and cell["verdict"] == COMPILE_FALLBACK),
     Promise("setup", "setup entry points work (initialize, DeviceMesh, LayoutMap, ModelParallel, DataParallel)",
             tests=lambda cell: family(cell) == "setup", breaks=lambda cell: family(cell) == "setup"),
     Promise("known-failure-modes", "failure modes real builds hit stay fixed (scenarios)",

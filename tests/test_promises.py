@@ -169,6 +169,23 @@ def test_agreement_cells_test_and_break_metrics_and_callbacks_agree():
     assert "metrics-and-callbacks-agree" not in states["adam-fit"]
 
 
+def test_a_failure_checked_later_keeps_what_was_checked_before_it():
+    """The checks run in order (a training cell: sharding, communication, numbers, compilation; an op
+    cell: value, placements, compilation), so a cell that failed a later check kept the earlier promises."""
+    fallback = record("fallback", "compile-fallback", "xfailed", "no graph", compile="jit")
+    fallback.communication = {"count": 9, "bytes": 3896}
+    over = record("over", "over-budget", "failed", "ranks 0, 1: all_gather_into_tensor ...")
+    over.communication = {"count": 9, "bytes": 3896}
+    op = record("op-fallback", "compile-fallback", "xfailed", "compiled 0 graph(s)", family="ops compiled",
+                op="add", operand="tensor", placement="shard1", compile="compiled")
+    states = {c["id"]: c["promises"] for c in report_of([fallback, over, op])["cells"]}
+    assert states["fallback"]["communication-budget"] == "kept"
+    assert states["over"]["communication-budget"] == "broken"
+    assert states["over"]["sharded-variables"] == states["over"]["sharded-optimizer-state"] == "kept"
+    assert states["over"]["numbers-match-single-process"] == "not judged"
+    assert states["op-fallback"]["ops-keep-placements"] == "kept"
+
+
 def test_the_scenario_sets_follow_the_scenarios_judges():
     """A scenario is in the sharding (numbers) set exactly when its judge checks a kernel's sharding (values)."""
     sharding_judges = {"partial", "uneven", "rank-zero-only", "changed", "integer", "precision", "saved"}
