@@ -249,6 +249,25 @@ def test_sigterm_ends_the_session_as_ctrl_c_does(inner):
     wait_for(lambda: inner.leftovers() == [] and not any(alive(p) for p in ranks), 15, "no leftover process")
 
 
+def test_the_session_gives_sigterm_back(pytester):
+    """The handler is the session's, not the process's: once a conformance session ends, SIGTERM has
+    its default action again (a later ``pytest.main`` in the same process, or the caller, gets it)."""
+    pytester.makepyfile("""
+        import signal
+
+        def test_installed(conformance_state):
+            assert conformance_state.active
+            assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    """)
+    outer = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # this session's own handler, set aside
+    try:
+        result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
+        result.assert_outcomes(passed=1)
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, outer)
+
+
 def test_killed_controller_takes_its_ranks_along(inner):
     """pytest SIGKILLed (CI cancel, OOM): each rank sees its parent gone and exits."""
     proc, ranks = start_a_hanging_session(inner)
