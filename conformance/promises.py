@@ -21,6 +21,7 @@ from keras_dtensor_conformance import (
     CRASH_VERDICT,
     ERROR,
     HANG_VERDICT,
+    JUDGED_VERDICTS,
     MIXED_TENSOR,
     NO_SHARDING_STRATEGY,
     NUMERICS,
@@ -99,10 +100,6 @@ def input_failure(cell: dict) -> bool:
     return fit(cell) and any(part in where for part in INPUT_CODE)
 
 
-#: Verdicts judged from what every rank returned: the ranks ran to the end, with no mixed tensor
-#: (the judge runs only on a result that succeeded everywhere; ``over-budget`` too, from the
-#: collectives a finished step recorded).
-JUDGED = (NUMERICS, SHARDING_LOST, COMPILE_FALLBACK, OVER_BUDGET)
 
 
 def fit_checked_before(*verdicts: str):
@@ -154,7 +151,8 @@ PROMISES = (
     Promise("known-failure-modes", "failure modes real builds hit stay fixed (scenarios)",
             tests=lambda cell: family(cell) == "scenarios", breaks=lambda cell: family(cell) == "scenarios"),
     Promise("dtensor-dispatch", "no mixed Tensor/DTensor, no missing sharding strategy", tests=lambda cell: True,
-            breaks=(MIXED_TENSOR, NO_SHARDING_STRATEGY), kept_despite=JUDGED),
+            # A judged verdict comes from a call that succeeded on every rank: it ran to the end, unmixed.
+            breaks=(MIXED_TENSOR, NO_SHARDING_STRATEGY), kept_despite=JUDGED_VERDICTS),
     Promise("runs-to-the-end", "every rank runs to the end: no error, crash or hang", tests=lambda cell: True,
-            breaks=(ERROR, CRASH_VERDICT, HANG_VERDICT), kept_despite=JUDGED),
+            breaks=(ERROR, CRASH_VERDICT, HANG_VERDICT), kept_despite=JUDGED_VERDICTS),
 )

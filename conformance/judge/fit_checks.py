@@ -115,8 +115,9 @@ def fit_failure(spec: dict, values: list[dict], nproc: int, reference: dict | No
 
     The order: the sharding (which needs no reference, so a cell that lost it says so whatever
     became of the reference); the communication of a step (``communication.over_budget``: no
-    full-size copy of a variable the sharding check has just held to its layout); the reference itself (that it ran, ``reference`` None being
-    ``NO_REFERENCE``, and on the ranks' device); whether its numbers are comparable (else
+    full-size copy of a variable the sharding check has just held to its layout); the reference
+    itself (that it ran, ``reference`` None being ``NO_REFERENCE``, and on the ranks' device);
+    whether its numbers are comparable (else
     ``(NOT_COMPARABLE, why)``); the numbers; ``oracle``, a further check of the numbers that the
     caller may add (the suite's NumPy oracle); and compilation last, since a step that computes
     the wrong numbers or loses its sharding is that failure whether or not it compiled.
