@@ -122,6 +122,11 @@ def agreement(cell: dict) -> bool:
     return "metric" in cell["axes"] or "callback" in cell["axes"]
 
 
+def state(cell: dict, kind: str) -> bool:
+    """A state cell (``test_state.py``) of ``kind``: ``reconcile`` or ``checkpoint``."""
+    return family(cell) == "state" and cell["axes"].get("state") == kind
+
+
 PROMISES = (
     Promise("sharded-variables", "variables keep the layout asked for", tests=shards_variables,
             breaks=variable_lost, kept_despite=sharding_kept_despite(variable_lost)),
@@ -139,6 +144,14 @@ PROMISES = (
             tests=lambda cell: fit(cell) or cell["axes"].get("scenario") in NUMERIC_SCENARIOS,
             breaks=lambda cell: cell["verdict"] == NUMERICS and family(cell) in ("fit", "scenarios"),
             kept_despite=fit_checked_before(COMPILE_FALLBACK)),
+    # issue 19: what Keras must do itself with variables between processes (test_state.py).
+    Promise("variables-reconciled", "ranks seeded differently agree on one global initialisation, then train "
+            "as one process from it", tests=lambda cell: state(cell, "reconcile"),
+            breaks=lambda cell: state(cell, "reconcile") and cell["verdict"] in (NUMERICS, SHARDING_LOST)),
+    Promise("checkpoints-resume-and-reshard", "a checkpoint written from every rank loads (optimizer slots "
+            "included) under any layout and process count and resumes as uninterrupted training",
+            tests=lambda cell: state(cell, "checkpoint"),
+            breaks=lambda cell: state(cell, "checkpoint") and cell["verdict"] in (NUMERICS, SHARDING_LOST, ERROR)),
     Promise("compile", "torch.compile compiles the whole step", tests=lambda cell: cell["axes"].get("compile") in (
         "jit", "compiled"), breaks=(COMPILE_FALLBACK, COMPILE_TIMEOUT)),
     Promise("ops-keep-placements", "keras.ops on DTensors give the plain values and keep placements",

@@ -447,6 +447,74 @@ CASES = (
 )
 
 
+# [state] issue 19, items 2 and 3: what Keras must do itself with variables between processes.
+#: The state cells the state mutants run (the default tier's), and a few others that they must not reach.
+STATE_TIER = (*(f"conformance/test_state.py::{cell}" for cell in (
+    "test_reconcile[colshard]", "test_checkpoint[optimizer-roundtrip-colshard]",
+    "test_checkpoint[reshard-to-rowshard-colshard]")),
+    "conformance/test_fit.py::test_fit[adam-arrays-nojit-dataparallel]",
+    "conformance/test_ops.py::test_op[add-scalar-shard0-eager]",
+    "conformance/test_setup.py::test_setup[list-devices]")
+STATE_CASES = (
+    Case(
+        Mutant(
+            "sharded-init-local-shape",
+            "a sharded variable initialised shard by shard, each for its LOCAL shape with the process' own "
+            "random stream (DTensor.from_local of a local draw): the ranks agree on the assembled tensor, "
+            "which no global initialisation could have drawn (Glorot's bounds for the shard's fans are wider)",
+            (Patch(TORCH + "ops/core.py",
+                   "            value = initializer(self._shape, dtype=self._dtype)\n",
+                   "            value = initializer(self._shape, dtype=self._dtype)\n"
+                   "            if any(isinstance(p, torch.distributed.tensor.Shard)\n"
+                   "                   for p in self._layout.placements):  # mutant: a local draw per shard\n"
+                   "                from torch.distributed.tensor._utils import compute_local_shape_and_global_offset\n"
+                   "                local_shape, _ = compute_local_shape_and_global_offset(\n"
+                   "                    self._shape, self._layout.device_mesh, self._layout.placements)\n"
+                   "                local = initializer(tuple(local_shape), dtype=self._dtype)\n"
+                   "                local = local.to(self._layout.device_mesh.device_type)\n"
+                   "                return torch.nn.Parameter(DTensor.from_local(\n"
+                   "                    local, self._layout.device_mesh, self._layout.placements,\n"
+                   "                    run_check=False), requires_grad=self.trainable)\n"),),
+        ),
+        {"test_reconcile[colshard]": "numerics"},
+        tier=STATE_TIER,
+    ),
+    Case(
+        Mutant(
+            "load-skips-dtensor-slots",
+            "loading a checkpoint skips the optimizer variables that are DTensors: sharded slots keep their "
+            "fresh values (zeros) while iterations and the weights load, so training resumes with the "
+            "moments lost",
+            (Patch("keras/src/optimizers/base_optimizer.py",
+                   "        for i, variable in enumerate(self.variables):\n            variable.assign(store[str(i)])\n",
+                   "        for i, variable in enumerate(self.variables):\n"
+                   "            if type(getattr(variable.value, \"data\", variable.value)).__name__ == \"DTensor\":\n"
+                   "                continue  # mutant: sharded slots are not loaded\n"
+                   "            variable.assign(store[str(i)])\n"),),
+        ),
+        {"test_checkpoint[optimizer-roundtrip-colshard]": "numerics",
+         "test_checkpoint[reshard-to-rowshard-colshard]": "numerics"},
+        tier=STATE_TIER,
+    ),
+    Case(
+        Mutant(
+            "load-drops-layout",
+            "loading a checkpoint replaces each layer variable by a plain Parameter of the saved array "
+            "instead of assigning into the DTensor: the loaded model's weights are whole on every rank",
+            (Patch("keras/src/layers/layer.py",
+                   "            v.assign(store[f\"{i}\"])\n",
+                   "            v._value = __import__(\"torch\").nn.Parameter(  # mutant: the layout dropped\n"
+                   "                __import__(\"torch\").as_tensor(__import__(\"numpy\").asarray(store[f\"{i}\"])),\n"
+                   "                requires_grad=v.trainable)\n"),),
+        ),
+        {"test_checkpoint[optimizer-roundtrip-colshard]": "sharding-lost",
+         "test_checkpoint[reshard-to-rowshard-colshard]": "sharding-lost"},
+        tier=STATE_TIER,
+    ),
+)
+CASES = (*CASES, *STATE_CASES)
+
+
 #: Cells of some mutant's tier that the unmutated build fails, each with its verdict: the build's own bug
 #: (in its expectations file too), in a tier so that a correct rewrite shows the cell passes without it.
 UNMUTATED_FAILS = {"test_metrics[max-dataparallel]": "numerics", "test_metrics[max-batchshard]": "numerics"}
