@@ -499,13 +499,15 @@ STATE_CASES = (
     Case(
         Mutant(
             "load-drops-layout",
-            "loading a checkpoint replaces each layer variable by a plain Parameter of the saved array "
-            "instead of assigning into the DTensor: the loaded model's weights are whole on every rank",
+            "loading a checkpoint replaces each serialized variable (a Dense kernel and bias) by a plain "
+            "Parameter of the saved array instead of assigning into the DTensor: the loaded model's weights "
+            "are whole on every rank",
             (Patch("keras/src/layers/layer.py",
-                   "            v.assign(store[f\"{i}\"])\n",
-                   "            v._value = __import__(\"torch\").nn.Parameter(  # mutant: the layout dropped\n"
-                   "                __import__(\"torch\").as_tensor(__import__(\"numpy\").asarray(store[f\"{i}\"])),\n"
-                   "                requires_grad=v.trainable)\n"),),
+                   "            target.assign(value)\n            idx += 1\n",
+                   "            target._value = __import__(\"torch\").nn.Parameter(  # mutant: the layout dropped\n"
+                   "                __import__(\"torch\").as_tensor(__import__(\"numpy\").asarray(value)),\n"
+                   "                requires_grad=target.trainable)\n"
+                   "            idx += 1\n"),),
         ),
         {"test_checkpoint[optimizer-roundtrip-colshard]": "sharding-lost",
          "test_checkpoint[reshard-to-rowshard-colshard]": "sharding-lost"},
