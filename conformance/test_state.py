@@ -25,15 +25,12 @@ from conformance import axes
 from conformance.judge import raise_found, ran_everywhere
 from conformance.judge import state as judge_state
 from conformance.ranks import state as rank_state
+from conformance.test_agreement import _mesh_marks
 
 DEFAULT_RECONCILE = ("dataparallel", "colshard")
 DEFAULT_CHECKPOINTS = (("optimizer-roundtrip", "colshard"), ("reshard-to-rowshard", "colshard"),
+                       ("reshard-to-single-process", "colshard"),
                        ("modelcheckpoint", "dataparallel"))
-
-
-def _mesh_marks(layout: str) -> list:
-    mesh = axes.LAYOUTS[layout].get("mesh", ("nproc",))
-    return [] if "nproc" in mesh else [pytest.mark.mesh(*mesh)]
 
 
 def reconcile_params(full: bool) -> list:
@@ -63,14 +60,6 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("reconcile_layout", reconcile_params(full))
     if "checkpoint_cell" in metafunc.fixturenames:
         metafunc.parametrize("checkpoint_cell", checkpoint_params(full))
-
-
-def _reference(references, function, *args):
-    """``function`` run in the session's single-process pool (no distribution, the global batch);
-    its one value, or the cell fails with the pool's story."""
-    result = references.pool.run(function, *args, False)
-    ran_everywhere(result)
-    return result
 
 
 def test_reconcile(reconcile_layout, keras_ranks, references, request):

@@ -513,13 +513,36 @@ STATE_CASES = (
          "test_checkpoint[reshard-to-rowshard-colshard]": "sharding-lost"},
         tier=STATE_TIER,
     ),
+    # A correct build written differently: a variable the layout leaves replicated is initialised on
+    # every rank and then broadcast from rank 0 when it is created (DataParallel's, and ModelParallel's
+    # unmapped ones), where the nightly leaves each rank its own draw until DDP wraps the model. The
+    # reconcile cell the nightly fails then passes: the check passes a build that reconciles at build.
+    Case(
+        Mutant(
+            "replicated-broadcast-at-build",
+            "a correct rewrite, not a bug: replicated variables broadcast from rank 0 as they are created",
+            (Patch(TORCH + "ops/core.py",
+                   "            if all(axis is None for axis in self._layout.axes):\n                return None\n",
+                   "            if all(axis is None for axis in self._layout.axes):\n"
+                   "                if not torch.distributed.is_initialized():\n"
+                   "                    return None\n"
+                   "                value = initializer(self._shape, dtype=self._dtype) if callable(\n"
+                   "                    initializer) else initializer  # rewrite: rank 0's value everywhere\n"
+                   "                value = convert_to_tensor(value, dtype=self._dtype).detach().clone()\n"
+                   "                torch.distributed.broadcast(value, src=0)\n"
+                   "                return torch.nn.Parameter(value, requires_grad=self.trainable)\n"),),
+        ),
+        {},
+        tier=(*STATE_TIER, "conformance/test_state.py::test_reconcile[dataparallel]"),
+    ),
 )
 CASES = (*CASES, *STATE_CASES)
 
 
 #: Cells of some mutant's tier that the unmutated build fails, each with its verdict: the build's own bug
 #: (in its expectations file too), in a tier so that a correct rewrite shows the cell passes without it.
-UNMUTATED_FAILS = {"test_metrics[max-dataparallel]": "numerics", "test_metrics[max-batchshard]": "numerics"}
+UNMUTATED_FAILS = {"test_metrics[max-dataparallel]": "numerics", "test_metrics[max-batchshard]": "numerics",
+                   "test_reconcile[dataparallel]": "numerics"}
 
 
 def unmutated_tier() -> tuple[str, ...]:
