@@ -184,13 +184,17 @@ _WRITES: list[str] | None = None
 
 
 def _audit(event: str, args: tuple) -> None:
-    """An audit hook (``sys.addaudithook``): every ``open`` for writing, by path."""
-    if event != "open" or _WRITES is None or not isinstance(args[0], (str, bytes, os.PathLike)):
+    """An audit hook (``sys.addaudithook``): every ``open`` for writing, by path. It reads the list
+    through ``sys.modules``: a hook outlives a reimport of this module, which the list does not."""
+    if event != "open":
+        return
+    writes = getattr(sys.modules.get(__name__), "_WRITES", None)
+    if writes is None or not isinstance(args[0], (str, bytes, os.PathLike)):
         return
     path, mode, flags = args
     writing = any(c in mode for c in "wax+") if isinstance(mode, str) else bool(flags & (os.O_WRONLY | os.O_RDWR))
     if writing:
-        _WRITES.append(os.path.abspath(os.fsdecode(path)))
+        writes.append(os.path.abspath(os.fsdecode(path)))
 
 
 @contextlib.contextmanager
