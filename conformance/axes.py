@@ -263,13 +263,13 @@ KERAS_SHARDED_SOURCES = {
 #: shard for all (colshard: a (1, n) mesh), and two shards of two ranks each (batchxmodel, 4 ranks).
 KERAS_SHARDED_LAYOUTS = ("dataparallel", "batchshard", "colshard", "batchxmodel")
 #: The default tier's Keras-sharded cells (source, uneven, layout): every source family once on a
-#: batch axis of one shard per process, the shuffled ones reshuffling, PyDataset (which the default
-#: build shards) on every cheap layout and with an uneven row count; ``--full`` takes the product.
+#: batch axis of one shard per process, and PyDataset (which the default build shards) on the three
+#: 2-rank layouts; ``--full`` takes the product, the uneven row counts with it (on the default build
+#: an uneven PyDataset cell crashes, and the pool's restart costs more than the default tier's budget).
 DEFAULT_KERAS_SHARDED = (
     ("arrays", False, "dataparallel"), ("tensors", False, "batchshard"), ("dataloader", False, "dataparallel"),
     ("dataloader-sampler", False, "batchshard"), ("iterable", False, "dataparallel"),
     ("pydataset", False, "dataparallel"), ("pydataset", False, "batchshard"), ("pydataset", False, "colshard"),
-    ("pydataset", True, "dataparallel"),
 )
 
 
