@@ -65,8 +65,8 @@ def partition_problems(phase: str, received: dict[int, list[int]], coords: dict[
     parts = {coord: received[ranks[0]] for coord, ranks in groups.items()}
     everything = set(range(samples))
     if shards > 1 and all(set(rows) == everything for rows in parts.values()):
-        return [f"{phase}: Keras did not shard the data: each of the {shards} batch shards received all {samples} "
-                f"rows (auto_shard_dataset=True asks Keras to give each process its own part)"]
+        return [(f"{phase}: Keras did not shard the data: each of the {shards} batch shards received all {samples} "
+                 f"rows (auto_shard_dataset=True asks Keras to give each process its own part)")]
     counts = Counter(row for rows in parts.values() for row in rows)
     missing = everything - set(counts)
     if missing:

@@ -61,7 +61,7 @@ def sources(x: np.ndarray, y: np.ndarray, batch: int) -> dict:
 
         class Batches(keras.utils.PyDataset):
             def __len__(self):
-                return -(-len(y) // batch)
+                return (len(y) + batch - 1) // batch  # the last batch partial
 
             def __getitem__(self, i):
                 return x[i * batch:(i + 1) * batch], y[i * batch:(i + 1) * batch]
