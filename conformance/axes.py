@@ -208,21 +208,79 @@ def _product(models, optimizers, data, compile_modes, layouts):
     return list(itertools.product(models, optimizers, data, compile_modes, layouts))
 
 
+#: Sample weights, dict inputs, PyDataset, a generator and an IterableDataset each under
+#: DataParallel or batch-sharded ModelParallel (Adam, nojit), where the batch axis has one shard per
+#: process: column-sharded cells alone (batch axis of size 1) never make ``_distribute_data`` split
+#: them. Each source meets at least one of the two layouts, sample weights (a third tensor the
+#: trainer must distribute alongside x and y) both; ``--full`` has the whole product.
+HAND_FED_SOURCES_OFF_COLUMN = [
+    ("mlp", "adam", "sample-weights", "nojit", "dataparallel"), ("mlp", "adam", "sample-weights", "nojit", "batchshard"),
+    ("mlp", "adam", "dict", "nojit", "batchshard"), ("mlp", "adam", "pydataset", "nojit", "dataparallel"),
+    ("mlp", "adam", "generator", "nojit", "batchshard"), ("mlp", "adam", "iterable", "nojit", "dataparallel"),
+]
+
+
 def training_cells(full: bool) -> list[tuple]:
     """(model, optimizer, data, compile, layout) coordinates of the tier, without duplicates.
 
     Default tier: full products where bugs have lived, and a covering design for the rest:
       - every optimizer x every compile mode x {arrays, DataLoader}, MLP, column-sharded;
       - every data source x {eager, nojit, jit}, Adam, MLP, column-sharded;
-      - every model x every layout, Adam, arrays, nojit; and every layout x compile mode, MLP.
+      - every model x every layout, Adam, arrays, nojit; and every layout x compile mode, MLP;
+      - the sources other than arrays and DataLoader off the column-sharded layout
+        (``HAND_FED_SOURCES_OFF_COLUMN``: a covering design over DataParallel and batchshard).
     ``--full`` adds every optimizer x data source, and models x optimizers x compile modes.
     """
     cells = _product(["mlp"], OPTIMIZERS, ["arrays", "dataloader"], COMPILE_MODES, ["colshard"])
     cells += _product(["mlp"], ["adam"], DATA_SOURCES, ["eager", "nojit", "jit"], ["colshard"])
     cells += _product(MODELS, ["adam"], ["arrays"], ["nojit"], LAYOUTS)
     cells += _product(["mlp"], ["sgd", "adam"], ["arrays", "dataloader"], COMPILE_MODES, LAYOUTS)
+    cells += HAND_FED_SOURCES_OFF_COLUMN  # issue 19 item 4
     if full:
         cells += _product(["mlp"], OPTIMIZERS, DATA_SOURCES, ["nojit", "jit"], ["colshard"])
         cells += _product(MODELS, OPTIMIZERS, ["arrays", "dataloader"], COMPILE_MODES, ["colshard", "rowshard"])
         cells += _product(MODELS, ["adam"], DATA_SOURCES, COMPILE_MODES, LAYOUTS)
     return list(dict.fromkeys(cells))
+
+
+# ------------------------------------------------------------------ Keras-sharded data (issue 19)
+#: The sources a Keras-sharded cell (``test_data_sharding.py``) hands ``fit`` / ``evaluate`` /
+#: ``predict`` whole, for Keras to shard per process: name -> whether ``fit`` shuffles it
+#: (``fit(shuffle=True)``, or the DataLoader's RandomSampler), so epoch 2 must be reordered. Their
+#: builders are ``ranks/data_sharding.sources``. A generator is not here: nothing can shard one
+#: without reading all of it on every process, so Keras' adapter does not try.
+KERAS_SHARDED_SOURCES = {
+    "arrays": True,
+    "tensors": True,
+    "dataloader": False,
+    "dataloader-sampler": True,
+    "dataloader-workers": False,
+    "iterable": False,
+    "pydataset": True,
+    "pydataset-workers": True,
+}
+#: Layouts with a batch axis of every size: one shard per process (DataParallel, batchshard), one
+#: shard for all (colshard: a (1, n) mesh), and two shards of two ranks each (batchxmodel, 4 ranks).
+KERAS_SHARDED_LAYOUTS = ("dataparallel", "batchshard", "colshard", "batchxmodel")
+#: The default tier's Keras-sharded cells (source, uneven, layout): every source family once on a
+#: batch axis of one shard per process, and PyDataset (which the default build shards) on the three
+#: 2-rank layouts; ``--full`` takes the product, the uneven row counts with it (on the default build
+#: an uneven PyDataset cell crashes, and the pool's restart costs more than the default tier's budget).
+DEFAULT_KERAS_SHARDED = (
+    ("arrays", False, "dataparallel"), ("tensors", False, "batchshard"), ("dataloader", False, "dataparallel"),
+    ("dataloader-sampler", False, "batchshard"), ("iterable", False, "dataparallel"),
+    ("pydataset", False, "dataparallel"), ("pydataset", False, "batchshard"), ("pydataset", False, "colshard"),
+)
+
+
+def keras_sharded_cells(full: bool) -> list[tuple[str, bool, str]]:
+    """(source, uneven, layout) of the Keras-sharded cells of the tier, without duplicates."""
+    cells = list(DEFAULT_KERAS_SHARDED)
+    if full:
+        cells += itertools.product(KERAS_SHARDED_SOURCES, (False, True), KERAS_SHARDED_LAYOUTS)
+    return list(dict.fromkeys(cells))
+
+
+def keras_sharded_id(source: str, uneven: bool, layout: str) -> str:
+    """``dataloader-sampler-batchshard``, ``pydataset-uneven-dataparallel``."""
+    return "-".join([source, "uneven", layout] if uneven else [source, layout])

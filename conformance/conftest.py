@@ -45,7 +45,9 @@ def training_params(full: bool) -> list:
     for coords in axes.training_cells(full):
         model, optimizer, data, compile_mode, layout_name = coords
         marks = [pytest.mark.cell(
-            family=f"fit {layout_name}",
+            # "hand-fed": each rank feeds its own part (auto_shard_dataset=False), as against the
+            # "keras-sharded" cells of test_data_sharding.py; promises.py reads the first word.
+            family=f"fit {layout_name} hand-fed",
             row=optimizer if model == "mlp" else f"{model} {optimizer}",
             column=f"{data}/{compile_mode}",
             model=model, optimizer=optimizer, data=data, compile=compile_mode, layout=layout_name,

@@ -19,6 +19,7 @@ from keras_dtensor_conformance import (
     COMPILE_FALLBACK,
     COMPILE_TIMEOUT,
     CRASH_VERDICT,
+    DATA_NOT_SHARDED,
     ERROR,
     HANG_VERDICT,
     JUDGED_VERDICTS,
@@ -102,6 +103,19 @@ def input_failure(cell: dict) -> bool:
 
 
 
+def keras_sharded(cell: dict) -> bool:
+    """A cell that hands Keras the global dataset to shard (``test_data_sharding.py``)."""
+    return family(cell) == "keras-sharded"
+
+
+def keras_sharding_broken(cell: dict) -> bool:
+    """Keras did not shard, or refused to (``data-not-sharded``); or a Keras-sharded cell hung or
+    crashed: its processes were handed unequal numbers of steps, so one waited in a collective
+    its peers never entered (the uneven cells' failure mode)."""
+    return cell["verdict"] == DATA_NOT_SHARDED or (
+        keras_sharded(cell) and cell["verdict"] in (HANG_VERDICT, CRASH_VERDICT))
+
+
 def fit_checked_before(*verdicts: str):
     """``kept_despite`` for a promise that a training cell's checks hold before those ``verdicts``
     (``fit_checks.fit_failure``'s order: the sharding of variables and slots together, then the
@@ -135,8 +149,11 @@ PROMISES = (
     Promise("communication-budget", "a train step communicates within the layout's budget",
             tests=lambda cell: cell.get(COMMUNICATION) is not None, breaks=(OVER_BUDGET,),
             kept_despite=fit_checked_before(NUMERICS, COMPILE_FALLBACK)),
-    Promise("per-process-input", "each process's input becomes the global batch", tests=fit,
+    Promise("per-process-input", "each process's own input (hand-fed) becomes the global batch", tests=fit,
             breaks=input_failure, kept_despite=fit_checked_before(COMPILE_FALLBACK)),
+    # issue 19, item 1: Keras' own data sharding (test_data_sharding.py, family "keras-sharded LAYOUT")
+    Promise("keras-shards-input", "given the global dataset, Keras gives each process a distinct part, together "
+            "the whole", tests=keras_sharded, breaks=keras_sharding_broken),
     Promise("metrics-and-callbacks-agree", "every rank reports the metrics and takes the callback decisions "
             "of a single process", tests=agreement, breaks=lambda cell: agreement(cell) and cell["verdict"] in (
                 NUMERICS, HANG_VERDICT)),

@@ -146,6 +146,27 @@ def _ids(*names: str) -> list[str]:
     return [f"test_fit[{n}]" if "-arrays-" in n or "-dataloader-" in n else n for n in names]
 
 
+# [issue 19: data sharding] helpers of that block, at the end of CASES
+DATA_ADAPTERS = "keras/src/trainers/data_adapters/"
+
+
+def _sharded_ids(*names: str) -> tuple[str, ...]:
+    return tuple(f"conformance/test_data_sharding.py::test_keras_sharded[{n}]" for n in names)
+
+
+def _fit_ids(*names: str) -> tuple[str, ...]:
+    return tuple(f"conformance/test_fit.py::test_fit[{n}]" for n in names)
+
+
+#: The default tier's Keras-sharded cells, and the hand-fed ones of the same sources.
+_KERAS_SHARDED_DEFAULT = (
+    *_sharded_ids("arrays-dataparallel", "tensors-batchshard", "dataloader-dataparallel",
+                  "dataloader-sampler-batchshard", "iterable-dataparallel", "pydataset-dataparallel",
+                  "pydataset-batchshard", "pydataset-colshard"),
+    *_fit_ids("adam-arrays-nojit-dataparallel", "adam-dataloader-nojit-batchshard"),
+)
+
+
 CASES = (
     Case(
         Mutant(
@@ -444,6 +465,88 @@ CASES = (
         tier=(*AGREEMENT_TIER, "conformance/test_agreement.py::test_metrics[max-dataparallel]",
               "conformance/test_agreement.py::test_metrics[max-batchshard]"),
     ),
+    # [issue 19: data sharding] Keras' own per-process sharding (test_data_sharding.py, the
+    # Keras-sharded family) and the hand-fed sources off the column-sharded layout (item 4).
+    Case(
+        Mutant(
+            "pydataset-not-sharded",
+            "the PyDataset adapter ignores auto_shard_dataset: every process iterates every batch of the "
+            "global dataset (the data-parallel replicas train on the same rows)",
+            (Patch(DATA_ADAPTERS + "py_dataset_adapter.py",
+                   '        if dist is not None and getattr(dist, "auto_shard_dataset", False):\n',
+                   '        if False:  # mutant: never shard across processes\n'),),
+        ),
+        # colshard has one batch shard (every process is fed everything anyway); the hand-fed cells
+        # set auto_shard_dataset=False: both must pass.
+        {"test_keras_sharded[pydataset-dataparallel]": "data-not-sharded",
+         "test_keras_sharded[pydataset-batchshard]": "data-not-sharded"},
+        tier=(*_sharded_ids("pydataset-dataparallel", "pydataset-batchshard", "pydataset-colshard"),
+              *_fit_ids("adam-pydataset-nojit-dataparallel", "adam-arrays-nojit-dataparallel")),
+    ),
+    # A correct build written differently: get_data_adapter's multi-process guard (written for tf.data
+    # on JAX and TensorFlow) lifted, so the array and DataLoader adapters' own per-process sharding
+    # runs, as the torch roadmap (keras-team/keras#23418) has it. The Keras-sharded cells the
+    # nightly fails by refusing (UNMUTATED_FAILS) must pass; nothing else may change.
+    Case(
+        Mutant(
+            "adapters-shard-arrays-and-dataloaders",
+            "a correct rewrite, not a bug: arrays, tensors and DataLoaders sharded by their adapters",
+            (Patch(DATA_ADAPTERS + "__init__.py",
+                   '        and getattr(distribution, "_is_multi_process", False)\n',
+                   '        and False  # rewrite: the torch adapters shard arrays and DataLoaders themselves\n'),),
+        ),
+        {},
+        tier=_KERAS_SHARDED_DEFAULT,
+    ),
+    # The same rewrite with a DistributedSampler that each process seeds with its own rank: every
+    # process shuffles alike within itself but the parts are cut from different permutations, so
+    # rows overlap and others are never seen.
+    Case(
+        Mutant(
+            "sampler-seed-per-rank",
+            "the DataLoader adapter's DistributedSampler seeded per process (seed=rank): the shards come from "
+            "different permutations, overlapping and missing rows",
+            (Patch(DATA_ADAPTERS + "__init__.py",
+                   '        and getattr(distribution, "_is_multi_process", False)\n',
+                   '        and False  # the rewrite above\n'),
+             Patch(DATA_ADAPTERS + "torch_data_loader_adapter.py",
+                   "                    rank=self._data_shard_id,\n",
+                   "                    rank=self._data_shard_id,\n"
+                   "                    seed=self._data_shard_id,  # mutant: a seed per process\n"),),
+        ),
+        {"test_keras_sharded[dataloader-sampler-batchshard]": "data-not-sharded"},
+        tier=_sharded_ids("dataloader-sampler-batchshard", "dataloader-dataparallel", "arrays-dataparallel"),
+    ),
+    # Item 4: ModelParallel's _distribute_data leaves the sample weights the local plain tensor. With a
+    # batch axis of one shard (colshard) the local part is the global batch and the promotion mode
+    # makes it a correct replicated DTensor: only a batch-sharded cell sees the bug.
+    Case(
+        Mutant(
+            "sample-weights-not-distributed",
+            "under ModelParallel the trainer distributes x and y but leaves the sample weights the "
+            "process's local plain tensor",
+            (Patch(TORCH + "trainer.py",
+                   "            layouts = tree.map_structure(get_layout, data)\n"
+                   "        return tree.map_structure(\n"
+                   "            lambda d, l: distribute_data_input(d, l),\n"
+                   "            data,\n"
+                   "            layouts,\n"
+                   "        )\n",
+                   "            layouts = tree.map_structure(get_layout, data)\n"
+                   "        distributed = tree.map_structure(\n"
+                   "            lambda d, l: distribute_data_input(d, l),\n"
+                   "            data,\n"
+                   "            layouts,\n"
+                   "        )\n"
+                   "        if isinstance(data, tuple) and len(data) == 3 and data[2] is not None:\n"
+                   "            distributed = (*distributed[:2], convert_to_tensor(data[2]))  # mutant\n"
+                   "        return distributed\n"),),
+        ),
+        {"test_fit[adam-sample-weights-nojit-batchshard]": "error"},
+        tier=_fit_ids("adam-sample-weights-nojit-batchshard", "adam-sample-weights-nojit-colshard",
+                      "adam-sample-weights-nojit-dataparallel", "adam-dict-nojit-batchshard",
+                      "adam-arrays-nojit-batchshard"),
+    ),
 )
 
 
@@ -562,7 +665,11 @@ CASES = (*CASES, *STATE_CASES)
 #: Cells of some mutant's tier that the unmutated build fails, each with its verdict: the build's own bug
 #: (in its expectations file too), in a tier so that a correct rewrite shows the cell passes without it.
 UNMUTATED_FAILS = {"test_metrics[max-dataparallel]": "numerics", "test_metrics[max-batchshard]": "numerics",
-                   "test_reconcile[dataparallel]": "numerics", "test_checkpoint[modelcheckpoint-dataparallel]": "error"}
+                   "test_reconcile[dataparallel]": "numerics", "test_checkpoint[modelcheckpoint-dataparallel]": "error",
+                   # issue 19: get_data_adapter refuses to shard anything but tf.data and PyDataset
+                   **{f"test_keras_sharded[{n}]": "data-not-sharded" for n in (
+                       "arrays-dataparallel", "tensors-batchshard", "dataloader-dataparallel",
+                       "dataloader-sampler-batchshard", "iterable-dataparallel")}}
 
 
 def unmutated_tier() -> tuple[str, ...]:

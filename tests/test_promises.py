@@ -364,3 +364,24 @@ def test_the_promises_render_in_a_real_browser(inner, tmp_path):
     shown = re.findall(r'<tr class="promise s-[\w-]+" data-promise="([\w-]+)" data-status="([\w -]+)"', dom)
     assert shown == [(p["name"], p["status"]) for p in report["promises"]] == [
         ("slots", "broken"), ("compiles", "kept"), ("budget", "not tested")]
+
+
+def test_keras_sharded_cells_test_keras_shards_input_and_hand_fed_cells_do_not():
+    """issue 19: a Keras-sharded cell (``test_data_sharding.py``) keeps ``keras-shards-input`` when it
+    passes and breaks it when Keras did not shard (or an uneven cell left a process waiting); a
+    hand-fed training cell does not test it, and the Keras-sharded cells do not test the hand-fed
+    ``per-process-input``."""
+    family = "keras-sharded dataparallel"
+    kept = record("pydataset-dataparallel", "pass", "passed", family=family, data="pydataset")
+    refused = record("arrays-dataparallel", "data-not-sharded", "xfailed", "Keras refused to shard", family=family)
+    crashed = record("pydataset-uneven-dataparallel", "crash", "failed", family=family, uneven=True)
+    hand_fed = record("adam-fit", "pass", "passed", family="fit dataparallel hand-fed")
+    report = report_of([kept, refused, crashed, hand_fed])
+    states = {c["id"]: c["promises"] for c in report["cells"]}
+    assert states["pydataset-dataparallel"]["keras-shards-input"] == "kept"
+    assert states["arrays-dataparallel"]["keras-shards-input"] == "expected-broken"
+    assert states["pydataset-uneven-dataparallel"]["keras-shards-input"] == "broken"
+    assert "keras-shards-input" not in states["adam-fit"]
+    assert states["adam-fit"]["per-process-input"] == "kept"
+    assert "per-process-input" not in states["pydataset-dataparallel"]
+    assert report["unclaimed_failures"] == []

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 from keras_dtensor_conformance import (
+    DATA_NOT_SHARDED,
     ERROR,
     HANG_CONSEQUENCES,
     HANG_VERDICT,
@@ -22,8 +23,9 @@ from keras_dtensor_conformance import (
     fail,
 )
 
-from conformance.judge import agreement, fit_checks, oracle
+from conformance.judge import agreement, data_sharding, fit_checks, oracle
 from conformance.judge.op_checks import op_failure
+from conformance.judge.sharding import mesh_shape
 
 
 def check(condition: bool, verdict: str, message: str, result) -> None:
@@ -221,3 +223,26 @@ def judge_agreement(spec: dict, result, reference) -> None:
     if verdict == agreement.NO_REFERENCE:
         raise CellFailure(ERROR, "the single-process reference failed:\n" + reference.story(), reference)
     raise CellFailure(verdict, message if result.ok else f"{message}\nthen: {result.summary()}", result)
+
+
+# ---------------------------------------------------------------- Keras-sharded data cells
+def batch_coordinates(layout: dict, nproc: int) -> dict[int, int]:
+    """rank -> its coordinate on the mesh's batch axis (devices fill the mesh row-major, as in
+    ``ranks/train.batch_part``): the ranks of one coordinate form one global batch."""
+    if layout["kind"] == "data-parallel":
+        return {rank: rank for rank in range(nproc)}
+    model = mesh_shape(layout, nproc)[1]
+    return {rank: rank // model for rank in range(nproc)}
+
+
+def judge_keras_sharded(spec: dict, result, nproc: int) -> None:
+    """A Keras-sharded cell: ran everywhere, and the rows each process's steps received keep the
+    per-process contract (``data_sharding.data_failure``). A build that refuses to shard the
+    source itself is ``data-not-sharded`` too, with its own words: that is what it did not do."""
+    if not result.ok:
+        first = result.first_failure()
+        if first.error is not None and data_sharding.refused(first.error.full_text()):
+            raise CellFailure(DATA_NOT_SHARDED, f"Keras refused to shard the {spec['source']} source itself "
+                              f"({first.error.type}: {first.error.message.splitlines()[0]})\n{result.story()}", result)
+        fail(result)
+    raise_found(data_sharding.data_failure(spec, result.values, batch_coordinates(spec["layout"], nproc)), result)
