@@ -146,6 +146,11 @@ def _ids(*names: str) -> list[str]:
     return [f"test_fit[{n}]" if "-arrays-" in n or "-dataloader-" in n else n for n in names]
 
 
+def _fit_tier(*cells: str) -> tuple[str, ...]:
+    """Training cells as a tier: their exact pytest node ids."""
+    return tuple(f"conformance/test_fit.py::test_fit[{cell}]" for cell in cells)
+
+
 CASES = (
     Case(
         Mutant(
@@ -450,7 +455,7 @@ CASES = (
     # forgets to divide by its steps: caught with SGD, cancelled by Adam (adam-accum passes).
     *(Case(Mutant(f"jax-ref-{name}", imitates, (Patch(TORCH + f"optimizers/torch_{module}.py", old, new),)),
            {f"test_fit[{cell}-arrays-nojit-colshard]": "numerics"},
-           tier=tuple(_ids(f"{cell}-arrays-nojit-colshard", "sgd-arrays-nojit-colshard", "adam-arrays-nojit-colshard")))
+           tier=_fit_tier(f"{cell}-arrays-nojit-colshard", "sgd-arrays-nojit-colshard", "adam-arrays-nojit-colshard"))
       for name, module, cell, imitates, old, new in (
           ("adadelta", "adadelta", "adadelta", "Adadelta accumulates |g| instead of g**2",
            "accumulated_grads, torch._foreach_mul(grads, grads), alpha=1 - rho",
@@ -481,8 +486,7 @@ CASES = (
                       "(g + acc_g) / steps for g, acc_g in zip(grads, acc_grads)",
                       "(g + acc_g) for g, acc_g in zip(grads, acc_grads)  # mutant"),)),
         {"test_fit[sgd-accum-arrays-nojit-colshard]": "numerics"},
-        tier=tuple(_ids("sgd-accum-arrays-nojit-colshard", "adam-accum-arrays-nojit-colshard",
-                        "sgd-arrays-nojit-colshard")),
+        tier=_fit_tier("sgd-accum-arrays-nojit-colshard", "adam-accum-arrays-nojit-colshard", "sgd-arrays-nojit-colshard"),
     ),
 )
 
