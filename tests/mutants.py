@@ -485,8 +485,11 @@ CASES = (
                (Patch("keras/src/optimizers/base_optimizer.py",
                       "(g + acc_g) / steps for g, acc_g in zip(grads, acc_grads)",
                       "(g + acc_g) for g, acc_g in zip(grads, acc_grads)  # mutant"),)),
+        # SGD's update is lr * g: every weight moves by the factor (measured: losses 0.033 off JAX's).
+        # Adam cancels it up to its epsilon (m / (sqrt(v) + eps)): adam-accum was measured 2.5e-5 off
+        # on one kernel, just over the tolerance, a margin this kit does not assert on.
         {"test_fit[sgd-accum-arrays-nojit-colshard]": "numerics"},
-        tier=_fit_tier("sgd-accum-arrays-nojit-colshard", "adam-accum-arrays-nojit-colshard", "sgd-arrays-nojit-colshard"),
+        tier=_fit_tier("sgd-accum-arrays-nojit-colshard", "sgd-arrays-nojit-colshard", "adam-arrays-nojit-colshard"),
     ),
 )
 
