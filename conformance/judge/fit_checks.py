@@ -93,10 +93,9 @@ def numbers_differ(values: list[dict], reference: dict) -> tuple[str, str] | Non
     """Losses, evaluate, predict and final weights against the single-process reference's, and the
     ranks against each other (``conformance.judge.numerics``)."""
     problems = numerics_problems(values, reference)
-    if problems:
-        return NUMERICS, ("distributed torch differs from single-process torch (a distribution bug):\n"
-                          + "\n".join(problems))
-    return None
+    # The verdict's kind and the first problem on the first line: the headline, and what clusters it.
+    return (NUMERICS, "distributed torch differs from single-process torch (a distribution bug): "
+            + "\n".join(problems)) if problems else None
 
 
 def differs_from_jax(spec: dict, values: list[dict], jax: dict | None) -> tuple[str, str] | None:
@@ -106,7 +105,7 @@ def differs_from_jax(spec: dict, values: list[dict], jax: dict | None) -> tuple[
     if jax is None:
         return None
     problems = numbers_differ_from_jax(spec["optimizer_name"], values, jax)
-    return (NUMERICS, BOTH_SHARE + ":\n" + "\n".join(problems)) if problems else None
+    return (NUMERICS, BOTH_SHARE + ": " + "\n".join(problems)) if problems else None
 
 
 def not_compiled(spec: dict, values: list[dict]) -> tuple[str, str] | None:
