@@ -124,14 +124,15 @@ class JaxReference:
 
 def jax_key(spec: dict, initial_weights: dict, nproc: int) -> str:
     """What a JAX reference depends on: the model, optimizer, the data as fed (plain, sample
-    weights or dict inputs: every other source yields the same global batches), whether
+    weights, dict inputs or a PyDataset, which orders its batches itself: every other source yields
+    the arrays' batches in order), whether
     steps_per_execution is 4, the layout's kind, mesh and map, the ranks' count, and the initial
     weights; not the torch compile mode or data source."""
     digest = hashlib.sha256()
     for path in sorted(initial_weights):
         digest.update(path.encode())
         digest.update(np.ascontiguousarray(initial_weights[path]).tobytes())
-    data = spec["data"] if spec["data"] in ("sample-weights", "dict") else "plain"
+    data = spec["data"] if spec["data"] in ("sample-weights", "dict", "pydataset", "pydataset-workers") else "plain"
     layout = {k: v for k, v in spec["layout"].items()}
     return json.dumps([spec["model"], spec["optimizer"], data, spec["compile"] == "spe4", layout, nproc,
                        digest.hexdigest()], sort_keys=True)

@@ -69,6 +69,10 @@ def train(spec: dict, initial_weights: dict, nproc: int) -> dict:
     kwargs = {"batch_size": rank_train.BATCH}
     if spec["data"] == "sample-weights":
         kwargs["sample_weight"] = w
+    # A PyDataset through the same adapter (it orders its batches itself); every other source
+    # yields the arrays' batches in order, so the arrays stand for it (its types may be torch's).
+    fit_args, fit_kwargs = ((x, y), dict(kwargs, shuffle=False)) if not spec["data"].startswith("pydataset") \
+        else rank_train.fit_inputs(spec["data"], x, y, w)
 
     step_losses: list[float] = []
 
@@ -76,7 +80,7 @@ def train(spec: dict, initial_weights: dict, nproc: int) -> dict:
         def on_train_batch_end(self, batch, logs=None):
             step_losses.append(float(logs["loss"]))
 
-    history = model.fit(x, y, epochs=1, verbose=0, shuffle=False, callbacks=[StepLosses()], **kwargs)
+    history = model.fit(*fit_args, epochs=1, verbose=0, callbacks=[StepLosses()], **fit_kwargs)
     slots, unmatched = rank_train._describe_slots(model, describe)
     evaluation = model.evaluate(x, y, verbose=0, **kwargs)
     prediction = model.predict(x, batch_size=rank_train.BATCH, verbose=0)

@@ -106,16 +106,18 @@ def fit_inputs(source: str, x, y, w, batch: int = BATCH) -> tuple[tuple, dict]:
     """(args, kwargs) for model.fit / evaluate that feed (x, y, w) through ``source`` in batches
     of ``batch`` rows (a rank's local batch).
 
-    Every source yields the same batches in the same order (no shuffling), so losses and
-    weights are comparable to the reference step by step.
+    Every source yields the same batches in the same order, so losses and weights are comparable
+    to the reference step by step (PyDataset's adapter shuffles its batch order under fit's default
+    ``shuffle=True``, by the epoch's number: the same order in every process and backend). Only the
+    torch sources import torch: the JAX reference feeds a PyDataset through here too.
     """
-    import torch
-
     steps = len(y) // batch
     if source in ("arrays", "dict"):
         return (x, y), {"batch_size": batch, "shuffle": False}
     if source == "sample-weights":
         return (x, y), {"batch_size": batch, "shuffle": False, "sample_weight": w}
+    if source in ("tensors", "iterable") or source.startswith("dataloader"):
+        import torch
     if source == "tensors":
         return (torch.from_numpy(x), torch.from_numpy(y)), {"batch_size": batch, "shuffle": False}
     if source.startswith("dataloader"):
