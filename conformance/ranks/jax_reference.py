@@ -8,6 +8,7 @@ same ``LayoutMap`` (``train.make_distribution``), the same model, optimizer and 
 ranks started from (set by path), so the two backends' random streams do not matter, and feeds
 the GLOBAL batches in order as numpy arrays: every data source of a cell yields those batches, so
 one JAX reference serves every source, compile mode and torch layout with the same mesh and map.
+``jit`` compiles its train step with XLA (the controller's choice: ``reference.JIT``).
 
 It returns the numbers the judge compares (``conformance.judge.jax_compare``) and, for every
 variable and optimizer slot, the layout JAX gave it (its ``PartitionSpec`` as data), from which
@@ -41,7 +42,7 @@ def describe(variable) -> dict:
     return {"path": variable.path, "shape": tuple(variable.shape), "spec": partition_spec(variable)}
 
 
-def train(spec: dict, initial_weights: dict, nproc: int) -> dict:
+def train(spec: dict, initial_weights: dict, nproc: int, jit: bool = False) -> dict:
     """Fit, evaluate and predict ``spec``'s cell on the JAX backend under its distribution over
     ``nproc`` virtual devices, from ``initial_weights`` (path -> array, the ranks' own)."""
     import jax
@@ -63,7 +64,7 @@ def train(spec: dict, initial_weights: dict, nproc: int) -> dict:
         raise NotComparable(f"the JAX model's variables {paths} are not the ranks' {sorted(initial_weights)}")
     for variable in model.weights:
         variable.assign(initial_weights[variable.path])
-    model.compile(optimizer=rank_train.build_optimizer(spec["optimizer"]), loss="mse", jit_compile=False,
+    model.compile(optimizer=rank_train.build_optimizer(spec["optimizer"]), loss="mse", jit_compile=jit,
                   steps_per_execution=4 if spec["compile"] == "spe4" else 1)
     x, y, w = rank_train.make_arrays(model_name)
     kwargs = {"batch_size": rank_train.BATCH}
