@@ -80,9 +80,22 @@ def test_the_slot_count_comes_from_jax_not_from_the_table():
     assert verdict == SHARDING_LOST and f"expected 2 optimizer slots for {KERNEL}, found 1" in message
 
 
-def test_a_layout_jax_does_not_shard_is_not_required():
-    # JAX keeps the slot replicated: the torch slot is then held to nothing (as a replicated variable).
-    assert fit_checks.sharding_lost(SPEC, [_rank(0, slot_dtensor=False)] * 2, 2, _jax(slot_spec=(None, None))) is None
+def test_a_slot_is_held_to_its_variables_layout_even_where_jax_left_it_whole():
+    # A build whose shared optimizer code drops the slots' layout does so on JAX too (the slots-plain
+    # mutant): the slot is still held to its variable's layout, never to less.
+    verdict, message = fit_checks.sharding_lost(SPEC, [_rank(0, slot_dtensor=False)] * 2, 2,
+                                                _jax(slot_spec=(None, None)))
+    assert verdict == SHARDING_LOST and f"optimizer slot {SLOT}: a plain Parameter" in message
+
+
+def test_what_the_layout_map_shards_is_asked_even_where_jax_left_it_whole():
+    jax = _jax()
+    jax["variables"][0]["spec"] = [None, None]
+    ranks = [_rank(0), _rank(1)]
+    for value in ranks:
+        value["stages"]["fit"] = [_var(KERNEL, (8, 16)), _var(BIAS, (16,))]
+    verdict, message = fit_checks.sharding_lost(SPEC, ranks, 2, jax)
+    assert verdict == SHARDING_LOST and f"after fit: {KERNEL}: a plain Parameter" in message
 
 
 def _numbers(scale: float = 1.0) -> dict:

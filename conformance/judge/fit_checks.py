@@ -44,8 +44,8 @@ def sharding_lost(spec: dict, values: list[dict], nproc: int, jax: dict | None =
     counts (``jax_compare``); without it, the layout map and the hand-written ``axes.SLOTS``."""
     problems = []
     layout = spec["layout"]
-    want = expected_layouts(jax) if jax is not None else None
-    counts = slot_counts(jax) if jax is not None else None
+    want = expected_layouts(jax, layout, nproc) if jax is not None else None
+    counts = slot_counts(jax, layout, nproc) if jax is not None else None
     source = " (as the JAX backend lays it out)" if jax is not None else ""
     for rank, value in enumerate(values):
         for stage, variables in value["stages"].items():

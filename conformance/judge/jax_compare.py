@@ -16,7 +16,7 @@ on each rank.
 from __future__ import annotations
 
 from conformance.judge.numerics import numerics_problems
-from conformance.judge.sharding import mesh_coordinate, shard_size
+from conformance.judge.sharding import intended, mesh_coordinate, shard_size
 
 #: float32 results of XLA's and torch's CPU kernels may differ in the last bits (fused multiply-adds,
 #: another summation order in matmuls and reductions), and every optimizer step carries a
@@ -75,29 +75,33 @@ def local_shape(spec: list, shape: tuple, mesh_axes: list[str], mesh: list[int],
     return tuple(local)
 
 
-def expected_layouts(jax: dict):
+def expected_layouts(jax: dict, layout: dict, nproc: int):
     """``want(var, path, rank)`` for ``sharding.sharding_problems``: the placements and local shape
-    JAX's layout of ``path`` (a variable or, by its own path, an optimizer slot) gives on ``rank``."""
+    JAX's layout of ``path`` gives on ``rank``; ``path`` is the variable's, and an optimizer slot's
+    is its variable's, since a slot must be sharded like its variable (Keras' promise), whatever a
+    build's shared optimizer code made of it on JAX too. Where JAX keeps whole what the LayoutMap
+    shards, the LayoutMap's layout (``sharding.intended``): a build that ignores the map in code
+    both backends share must not lower what is asked."""
     specs = {entry["path"]: entry["spec"] for entry in jax["variables"]}
-    specs.update({slot["path"]: slot["spec"] for slot in jax["slots"] if slot["factor"] is None})
 
     def want(var: dict, path: str, rank: int):
-        spec = specs.get(var["path"], specs.get(path))
+        spec = specs.get(path)
         where = placements(spec, jax["mesh_axes"])
         if where is None:
-            return None
+            return intended(layout, path, tuple(var["shape"]), nproc, rank)
         return where, local_shape(spec, tuple(var["shape"]), jax["mesh_axes"], jax["mesh_shape"], rank)
 
     return want
 
 
-def slot_counts(jax: dict):
-    """``counts(variable)`` for ``slots.slot_problems``: for each variable JAX shards, the full and
-    factored optimizer slots JAX keeps for it (None for a variable JAX does not shard)."""
+def slot_counts(jax: dict, layout: dict, nproc: int):
+    """``counts(variable)`` for ``slots.slot_problems``: for each variable JAX or the LayoutMap
+    shards, the full and factored optimizer slots JAX keeps for it (None for any other variable)."""
     sharded = {e["path"] for e in jax["variables"] if placements(e["spec"], jax["mesh_axes"]) is not None}
 
     def counts(variable: dict):
-        if variable["path"] not in sharded:
+        if variable["path"] not in sharded and intended(layout, variable["path"], tuple(variable["shape"]),
+                                                        nproc) is None:
             return None
         mine = [s for s in jax["slots"] if s["reference"] == variable["path"]]
         return {"full": sum(s["factor"] is None for s in mine), "factored": sum(s["factor"] is not None for s in mine)}
