@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from conformance import axes
 from conformance.judge import oracle
-from conformance.reference import OtherBuild, References
+from conformance.judge.sharding import mesh_shape
+from conformance.reference import JaxReferences, OtherBuild, References, both, jax_installed
 
 
 @pytest.fixture(scope="session")
@@ -20,6 +23,53 @@ def references(conformance_state, keras_ranks) -> References:
     other = manager.reference(conformance_state.reference_path)
     other.start()
     return References(manager.reference(), OtherBuild(other, conformance_state.reference_label))
+
+
+def jax_devices(nproc: int) -> int:
+    """Virtual CPU devices for the JAX reference: enough for every layout's mesh with ``nproc`` ranks."""
+    sizes = [nproc]
+    for layout in axes.LAYOUTS.values():
+        if layout["kind"] == "model-parallel":
+            batch, model = mesh_shape(layout, nproc)
+            sizes.append(batch * model)
+    return max(sizes)
+
+
+@pytest.fixture(scope="session")
+def jax_references(conformance_state, keras_ranks) -> JaxReferences:
+    """The JAX references of training cells (``conformance/reference.py``); without JAX installed,
+    one that runs nothing and says why (the report header says it once)."""
+    if not jax_installed():
+        return JaxReferences(None, keras_ranks.nproc)
+    pool = conformance_state.manager.jax_reference(jax_devices(keras_ranks.nproc))
+    # Started here, so no cell's duration includes it, and side by side with the torch reference.
+    thread = threading.Thread(target=pool.start, name="kdc-jax-start", daemon=True)
+    thread.start()
+    try:
+        conformance_state.manager.reference().start()
+    finally:
+        thread.join()
+    return JaxReferences(pool, keras_ranks.nproc)
+
+
+@pytest.fixture
+def references_for(references, jax_references, request):
+    """``references_for(spec, result)``: the cell's single-process torch reference (PoolResult) and
+    its JAX reference (``reference.JaxReference``), computed side by side; records on the cell which
+    references judged it (``references``: same-build torch, jax (or why not), numpy oracle) and,
+    as before, ``reference`` and ``oracle``."""
+
+    def get(spec: dict, result):
+        properties = request.node.user_properties
+        coverage = oracle.coverage(spec)
+        properties.append(("oracle", coverage))
+        torch_reference, jax = both(references, jax_references, spec, result.values if result.ok else None)
+        properties.append(("reference", torch_reference.source))
+        properties.append(("references", {"same-build torch": torch_reference.source, "jax": jax.note,
+                                          "numpy oracle": coverage}))
+        return torch_reference.result, jax
+
+    return get
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ TRAINING = Family(
     name="training",
     prefix="fit",
     modules=("conformance.judge.sharding", "conformance.judge.slots", "conformance.judge.numerics",
+             "conformance.judge.jax_compare",
              "conformance.judge.compile_evidence", "conformance.judge.communication", "conformance.ranks.train",
              "conformance.judge.fit_checks"),
     spec_comment="The cell, literally: model, optimizer (class and arguments), data source, compile mode, layout.",

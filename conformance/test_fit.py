@@ -2,7 +2,8 @@
 
 Each cell trains on every rank and is judged on: no failure (classified into a verdict);
 sharding kept after build, fit, evaluate and predict, optimizer slots and EMA copies included;
-numbers equal to the single-process reference; and, for jit cells, that dynamo really compiled.
+numbers equal to the single-process torch reference, then to the same build's JAX backend (which
+also defines the expected layouts), then the NumPy oracle; and, for jit cells, that dynamo really compiled.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from conformance.judge.communication import figures
 from conformance.ranks import train as rank_train
 
 
-def test_fit(training_cell, keras_ranks, reference_for, request):
+def test_fit(training_cell, keras_ranks, references_for, request):
     model, optimizer, data, compile_mode, layout = training_cell
     package = axes.DATA_SOURCES[data]
     if package and importlib.util.find_spec(package) is None:
@@ -29,7 +30,8 @@ def test_fit(training_cell, keras_ranks, reference_for, request):
     result = keras_ranks.run(rank_train.train, spec)
     skip_if_not_in_build(result)
     record_communication(result, request)
-    judge_fit(spec, result, reference_for(spec), keras_ranks.nproc)
+    reference, jax = references_for(spec, result)
+    judge_fit(spec, result, reference, keras_ranks.nproc, jax.evidence)
 
 
 def record_communication(result, request) -> None:

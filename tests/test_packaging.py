@@ -53,7 +53,7 @@ def test_the_default_build_and_the_cpu_pin_are_opt_in():
     assert pins == ["torch==2.13.0"]
     for path in (".ci/run", "README.md"):
         with open(os.path.join(ROOT, path), encoding="utf-8") as f:
-            assert '-c constraints-cpu.txt -e ".[default-build,test]"' in f.read(), path
+            assert '-c constraints-cpu.txt -e ".[default-build,jax,test]"' in f.read(), path
 
 
 def test_installing_the_plugin_keeps_the_installed_torch(tmp_path):

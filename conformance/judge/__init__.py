@@ -72,15 +72,16 @@ def numbers_match_oracle(spec: dict, values: list[dict], reference: dict) -> tup
     return (NUMERICS, "\n".join(problems)) if problems else None
 
 
-def judge_fit(spec: dict, result, reference, nproc: int) -> None:
+def judge_fit(spec: dict, result, reference, nproc: int, jax: dict | None = None) -> None:
     """A training cell: ran, kept its sharding, matched the reference (and the NumPy oracle in its
-    core set), and compiled if asked: ``fit_checks.fit_failure``'s checks, in its order. A cell
+    core set, and ``jax``, the JAX reference's evidence, where one ran), and compiled if asked:
+    ``fit_checks.fit_failure``'s checks, in its order. A cell
     whose numbers the reference does not define is skipped with the reason."""
     ran_everywhere(result)
     values = result.values
     evidence = reference.values[0] if reference.ok else None
     found = fit_checks.fit_failure(spec, values, nproc, evidence,
-                                   oracle=lambda: numbers_match_oracle(spec, values, evidence))
+                                   oracle=lambda: numbers_match_oracle(spec, values, evidence), jax=jax)
     if found is None:
         return
     verdict, message = found

@@ -21,6 +21,7 @@ from keras_dtensor_conformance import COMPILE_FALLBACK, ERROR, NUMERICS, SHARDIN
 
 from conformance.judge.communication import over_budget
 from conformance.judge.compile_evidence import compile_problems
+from conformance.judge.jax_compare import BOTH_SHARE, expected_layouts, numbers_differ_from_jax, slot_counts
 from conformance.judge.numerics import numerics_problems
 from conformance.judge.sharding import sharding_problems
 from conformance.judge.slots import slot_problems
@@ -33,24 +34,32 @@ def reference_spec(spec: dict) -> dict:
                 layout={"kind": "single"}, layout_name="single")
 
 
-def sharding_lost(spec: dict, values: list[dict], nproc: int) -> tuple[str, str] | None:
+def sharding_lost(spec: dict, values: list[dict], nproc: int, jax: dict | None = None) -> tuple[str, str] | None:
     """Every variable the layout shards, and every optimizer slot of it, is a DTensor as asked; and
     every such variable has exactly the slots its optimizer keeps (``conformance.judge.slots``), so a
-    slot the rank side could not find is a failure, not an empty list that passes."""
+    slot the rank side could not find is a failure, not an empty list that passes.
+
+    With ``jax`` (the JAX reference's evidence), what is asked is what the same build's JAX backend
+    made of the same LayoutMap: each variable's and slot's layout, and each sharded variable's slot
+    counts (``jax_compare``); without it, the layout map and the hand-written ``axes.SLOTS``."""
     problems = []
     layout = spec["layout"]
+    want = expected_layouts(jax, layout, nproc) if jax is not None else None
+    counts = slot_counts(jax, layout, nproc) if jax is not None else None
+    source = " (as the JAX backend lays it out)" if jax is not None else ""
     for rank, value in enumerate(values):
         for stage, variables in value["stages"].items():
-            problems += sharding_problems(layout, variables, nproc, f"rank {rank} after {stage}: ", rank=rank)
+            problems += sharding_problems(layout, variables, nproc, f"rank {rank} after {stage}: ", rank=rank,
+                                          want=want)
         full = [s for s in value["slots"] if s["factor"] is None]
-        problems += sharding_problems(layout, full, nproc, f"rank {rank} optimizer slot ", rank=rank)
+        problems += sharding_problems(layout, full, nproc, f"rank {rank} optimizer slot ", rank=rank, want=want)
         missing = slot_problems(spec["optimizer_name"], layout, value["stages"]["fit"], value["slots"], nproc,
-                                f"rank {rank}: ", rank=rank)
+                                f"rank {rank}: ", rank=rank, counts=counts)
         if missing and value["unmatched_optimizer_variables"]:
             missing.append(f"rank {rank}: optimizer variables that match no model variable: "
                            + ", ".join(value["unmatched_optimizer_variables"]))
         problems += missing
-    return (SHARDING_LOST, "\n".join(problems)) if problems else None
+    return (SHARDING_LOST, "\n".join(p + source for p in problems)) if problems else None
 
 
 def reference_elsewhere(values: list[dict], reference: dict) -> tuple[str, str] | None:
@@ -84,7 +93,19 @@ def numbers_differ(values: list[dict], reference: dict) -> tuple[str, str] | Non
     """Losses, evaluate, predict and final weights against the single-process reference's, and the
     ranks against each other (``conformance.judge.numerics``)."""
     problems = numerics_problems(values, reference)
-    return (NUMERICS, "\n".join(problems)) if problems else None
+    # The verdict's kind and the first problem on the first line: the headline, and what clusters it.
+    return (NUMERICS, "distributed torch differs from single-process torch (a distribution bug): "
+            + "\n".join(problems)) if problems else None
+
+
+def differs_from_jax(spec: dict, values: list[dict], jax: dict | None) -> tuple[str, str] | None:
+    """The ranks (which the single-process torch reference has just passed) against the same build's
+    JAX backend (``jax_compare``): a difference here is a bug of the torch backend's own code that
+    the single-process and distributed torch runs share."""
+    if jax is None:
+        return None
+    problems = numbers_differ_from_jax(spec["optimizer_name"], values, jax)
+    return (NUMERICS, BOTH_SHARE + ": " + "\n".join(problems)) if problems else None
 
 
 def not_compiled(spec: dict, values: list[dict]) -> tuple[str, str] | None:
@@ -110,7 +131,8 @@ NO_REFERENCE = "no-reference"
 
 
 def fit_failure(spec: dict, values: list[dict], nproc: int, reference: dict | None,
-                oracle: Callable[[], tuple[str, str] | None] | None = None) -> tuple[str, str] | None:
+                oracle: Callable[[], tuple[str, str] | None] | None = None,
+                jax: dict | None = None) -> tuple[str, str] | None:
     """The first check a trained cell fails, as ``(verdict, message)``, or None: it passes.
 
     The order: the sharding (which needs no reference, so a cell that lost it says so whatever
@@ -118,11 +140,14 @@ def fit_failure(spec: dict, values: list[dict], nproc: int, reference: dict | No
     full-size copy of a variable the sharding check has just held to its layout); the reference
     itself (that it ran, ``reference`` None being ``NO_REFERENCE``, and on the ranks' device);
     whether its numbers are comparable (else
-    ``(NOT_COMPARABLE, why)``); the numbers; ``oracle``, a further check of the numbers that the
-    caller may add (the suite's NumPy oracle); and compilation last, since a step that computes
-    the wrong numbers or loses its sharding is that failure whether or not it compiled.
+    ``(NOT_COMPARABLE, why)``); the numbers against single-process torch (a distribution bug),
+    then against ``jax``, the same build's JAX backend, when one ran (a torch-backend bug both torch
+    runs share; ``jax`` also defines the layouts the sharding check expects); ``oracle``, a further
+    check of the numbers that the caller may add (the suite's NumPy oracle); and compilation
+    last, since a step that computes the wrong numbers or loses its sharding is that failure
+    whether or not it compiled.
     """
-    found = sharding_lost(spec, values, nproc) or over_budget(spec, values, nproc)
+    found = sharding_lost(spec, values, nproc, jax) or over_budget(spec, values, nproc)
     if found is not None:
         return found
     if reference is None:
@@ -133,5 +158,5 @@ def fit_failure(spec: dict, values: list[dict], nproc: int, reference: dict | No
     why = local_batch_statistics(values)
     if why:
         return NOT_COMPARABLE, why
-    return (numbers_differ(values, reference) or (oracle() if oracle is not None else None)
-            or not_compiled(spec, values))
+    return (numbers_differ(values, reference) or differs_from_jax(spec, values, jax)
+            or (oracle() if oracle is not None else None) or not_compiled(spec, values))

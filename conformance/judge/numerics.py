@@ -26,12 +26,12 @@ TOLERANCES = {"float32": {"rtol": 1e-4, "atol": 1e-5}}
 REPORTED = ("step_losses", "epoch_loss", "evaluate")
 
 
-def compare(name: str, got, want, dtype: str = "float32") -> str | None:
-    """None if ``got`` matches ``want`` within the dtype's tolerance, else what differs."""
+def compare(name: str, got, want, dtype: str = "float32", tol: dict | None = None) -> str | None:
+    """None if ``got`` matches ``want`` within the dtype's tolerance (or ``tol``), else what differs."""
     got, want = np.asarray(got, dtype="float64"), np.asarray(want, dtype="float64")
     if got.shape != want.shape:
         return f"{name}: shape {got.shape}, reference {want.shape}"
-    tol = TOLERANCES[dtype]
+    tol = tol or TOLERANCES[dtype]
     if np.allclose(got, want, **tol):
         return None
     worst = np.abs(got - want).max()
@@ -46,7 +46,7 @@ def batch_groups(values: list[dict]) -> dict[int, list[int]]:
     return groups
 
 
-def reported_problems(key: str, values: list[dict], want) -> list[str]:
+def reported_problems(key: str, values: list[dict], want, tol: dict | None = None) -> list[str]:
     """A reported metric (losses, evaluate) against the reference's global value.
 
     Accepted: every rank reports the global value; or every rank reports its local value, ranks
@@ -57,7 +57,7 @@ def reported_problems(key: str, values: list[dict], want) -> list[str]:
     mean over shards of the local means is the global mean. Anything else (a rank reporting a
     value that is neither, shards that do not average to the global) is a problem.
     """
-    global_problems = [p for r, v in enumerate(values) if (p := compare(f"rank {r}: {key}", v[key], want))]
+    global_problems = [p for r, v in enumerate(values) if (p := compare(f"rank {r}: {key}", v[key], want, tol=tol))]
     if not global_problems:
         return []
     groups = batch_groups(values)
@@ -67,28 +67,28 @@ def reported_problems(key: str, values: list[dict], want) -> list[str]:
         problems += [f"ranks {ranks[0]} and {r} fed the same rows but report different {key}"
                      for r in ranks[1:] if compare(key, values[r][key], first)]
     shard_mean = np.mean([np.asarray(values[ranks[0]][key], dtype="float64") for ranks in groups.values()], axis=0)
-    problem = compare(f"{key} (mean over {len(groups)} batch shard(s))", shard_mean, want)
+    problem = compare(f"{key} (mean over {len(groups)} batch shard(s))", shard_mean, want, tol=tol)
     if problems or problem:
         return global_problems + problems + ([problem] if problem else [])
     return []
 
 
-def predict_problems(rank: int, value: dict, want: np.ndarray) -> list[str]:
+def predict_problems(rank: int, value: dict, want: np.ndarray, tol: dict | None = None) -> list[str]:
     """A rank's predictions against the reference's rows it fed, or all rows if it returned all."""
     got, rows = np.asarray(value["predict"]), np.asarray(value["rows"])
     expected = want if got.shape[:1] == want.shape[:1] else want[rows]
-    problem = compare("predict", got, expected)
+    problem = compare("predict", got, expected, tol=tol)
     return [f"rank {rank}: {problem}"] if problem else []
 
 
-def weight_problems(rank: int, value: dict, reference: dict) -> list[str]:
+def weight_problems(rank: int, value: dict, reference: dict, tol: dict | None = None) -> list[str]:
     """A rank's final (global) weights against the reference's."""
     problems = []
     for path, weight in reference["weights"].items():
         if path not in value["weights"]:
             problems.append(f"rank {rank}: weight {path} missing")
             continue
-        problem = compare(f"weight {path}", value["weights"][path], weight)
+        problem = compare(f"weight {path}", value["weights"][path], weight, tol=tol)
         if problem:
             problems.append(f"rank {rank}: {problem}")
     return problems
@@ -103,12 +103,13 @@ def ranks_agree(values: list[dict]) -> list[str]:
             if not np.array_equal(value["weights"].get(path), weight)]
 
 
-def numerics_problems(values: list[dict], reference: dict) -> list[str]:
-    """Every rank against the single-process reference, and the ranks against each other."""
+def numerics_problems(values: list[dict], reference: dict, tol: dict | None = None) -> list[str]:
+    """Every rank against the single-process reference, and the ranks against each other.
+    ``tol``: another reference's tolerance (the JAX backend's, ``jax_compare.TOLERANCES``)."""
     problems = []
     for key in REPORTED:
-        problems += reported_problems(key, values, reference[key])
+        problems += reported_problems(key, values, reference[key], tol)
     for rank, value in enumerate(values):
-        problems += predict_problems(rank, value, np.asarray(reference["predict"]))
-        problems += weight_problems(rank, value, reference)
+        problems += predict_problems(rank, value, np.asarray(reference["predict"]), tol)
+        problems += weight_problems(rank, value, reference, tol)
     return problems + ranks_agree(values)

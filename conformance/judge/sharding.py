@@ -57,18 +57,24 @@ def intended(layout: dict, path: str, shape: tuple, nproc: int, rank: int = 0) -
 
 
 def sharding_problems(layout: dict, variables: list[dict], nproc: int, what: str = "",
-                      rank: int | None = None) -> list[str]:
+                      rank: int | None = None, want=None) -> list[str]:
     """What differs from the intended layout, one line per variable (empty: all as asked).
 
     ``variables`` are ``describe_variable`` dicts from ``rank``; a slot carries ``reference``, the
     path of the model variable whose layout it must share. Without ``rank`` (a caller that does
     not say which rank the variables come from), the local shape of any rank is accepted.
+    ``want(var, path, rank)``: the intended layout from elsewhere (the JAX reference's, see
+    ``jax_compare.expected_layouts``) instead of the layout map's.
     """
+    if want is None:
+        def want(var, path, r):
+            return intended(layout, path, tuple(var["shape"]), nproc, r)
+
     problems = []
     ranks = range(nproc) if rank is None else [rank]
     for var in variables:
         path = var.get("reference", var["path"])
-        wants = [intended(layout, path, tuple(var["shape"]), nproc, r) for r in ranks]
+        wants = [want(var, path, r) for r in ranks]
         if wants[0] is None:
             continue
         placements = wants[0][0]

@@ -106,16 +106,18 @@ def fit_inputs(source: str, x, y, w, batch: int = BATCH) -> tuple[tuple, dict]:
     """(args, kwargs) for model.fit / evaluate that feed (x, y, w) through ``source`` in batches
     of ``batch`` rows (a rank's local batch).
 
-    Every source yields the same batches in the same order (no shuffling), so losses and
-    weights are comparable to the reference step by step.
+    Every source yields the same batches in the same order, so losses and weights are comparable
+    to the reference step by step (PyDataset's adapter shuffles its batch order under fit's default
+    ``shuffle=True``, by the epoch's number: the same order in every process and backend). Only the
+    torch sources import torch: the JAX reference feeds a PyDataset through here too.
     """
-    import torch
-
     steps = len(y) // batch
     if source in ("arrays", "dict"):
         return (x, y), {"batch_size": batch, "shuffle": False}
     if source == "sample-weights":
         return (x, y), {"batch_size": batch, "shuffle": False, "sample_weight": w}
+    if source in ("tensors", "iterable") or source.startswith("dataloader"):
+        import torch
     if source == "tensors":
         return (torch.from_numpy(x), torch.from_numpy(y)), {"batch_size": batch, "shuffle": False}
     if source.startswith("dataloader"):
@@ -212,17 +214,21 @@ def build_optimizer(spec: dict):
 
 
 # ---------------------------------------------------------------- distributions
-def make_distribution(layout: dict):
-    """A Keras distribution over explicit device names (cpu:i / gpu:i), never list_devices()."""
+def make_distribution(layout: dict, world_size: int | None = None, devices: list[str] | None = None):
+    """A Keras distribution over explicit device names (cpu:i / gpu:i), never list_devices().
+
+    By default over this rank's group; the JAX reference (``ranks/jax_reference.py``) passes the
+    ranks' count and its virtual CPU devices, so both backends build the same distribution."""
     import keras
 
-    ctx = rank_context.current()
-    devices = ctx.device_names()
+    if world_size is None:
+        ctx = rank_context.current()
+        world_size, devices = ctx.world_size, ctx.device_names()
     if layout["kind"] == "data-parallel":
-        mesh = keras.distribution.DeviceMesh((ctx.world_size,), ["batch"], devices)
+        mesh = keras.distribution.DeviceMesh((world_size,), ["batch"], devices)
         distribution = keras.distribution.DataParallel(device_mesh=mesh)
     else:
-        shape = tuple(ctx.world_size if d == "nproc" else d for d in layout.get("mesh", (1, "nproc")))
+        shape = tuple(world_size if d == "nproc" else d for d in layout.get("mesh", (1, "nproc")))
         mesh = keras.distribution.DeviceMesh(shape, ["batch", "model"], devices)
         layout_map = keras.distribution.LayoutMap(mesh)
         for key, axes in layout["map"].items():
@@ -235,7 +241,7 @@ def make_distribution(layout: dict):
 
 
 # ---------------------------------------------------------------- the cell
-def _describe_slots(model) -> tuple[list[dict], list[str]]:
+def _describe_slots(model, describe=describe_variable) -> tuple[list[dict], list[str]]:
     """(slots, unmatched): optimizer variables (slots, EMA copies, accumulators, factored moments)
     with the model variable each one belongs to, and the paths of the optimizer variables that
     belong to none (the judge counts slots per variable and names these when a count is short).
@@ -244,7 +250,8 @@ def _describe_slots(model) -> tuple[list[dict], list[str]]:
     its shape (the judge checks the shape). Adafactor's factored moments carry only the
     variable's bare name (``kernel``): a variable's ``r`` and ``c`` are the first unclaimed
     optimizer variables with that name and shape, in creation order (Keras creates them variable
-    by variable), so two kernels whose vectors share a shape each get their own.
+    by variable), so two kernels whose vectors share a shape each get their own. ``describe`` says
+    what a variable is (the JAX reference passes its own: its layouts are not DTensors).
     """
     from conformance.judge.slots import factored_shapes
 
@@ -254,7 +261,7 @@ def _describe_slots(model) -> tuple[list[dict], list[str]]:
 
     def claim(var, ref, factor):
         claimed.add(id(var))
-        slots.append({**describe_variable(var), "reference": ref.path, "factor": factor})
+        slots.append({**describe(var), "reference": ref.path, "factor": factor})
 
     for var in optimizer_variables:
         # The longest prefix: "dense/kernel_2"'s slots also start with "dense_kernel_".

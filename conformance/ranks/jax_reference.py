@@ -1,0 +1,102 @@
+"""Rank side of the JAX reference: the same cell on the same build's JAX backend, in one process.
+
+Runs in a pool of its own (``PoolManager.jax_reference``) started with ``KERAS_BACKEND=jax`` and
+``XLA_FLAGS=--xla_force_host_platform_device_count=N`` before anything imports JAX or Keras, so
+the cell's distribution is built over N virtual CPU devices: the same ``DeviceMesh`` shape, the
+same ``LayoutMap`` (``train.make_distribution``), the same model, optimizer and data
+(``train.build_model``, ``build_optimizer``, ``make_arrays``). It starts from the weights the
+ranks started from (set by path), so the two backends' random streams do not matter, and feeds
+the GLOBAL batches in order as numpy arrays: every data source of a cell yields those batches, so
+one JAX reference serves every source, compile mode and torch layout with the same mesh and map.
+``jit`` compiles its train step with XLA (the controller's choice: ``reference.JIT``).
+
+It returns the numbers the judge compares (``conformance.judge.jax_compare``) and, for every
+variable and optimizer slot, the layout JAX gave it (its ``PartitionSpec`` as data), from which
+the judge derives the DTensor placements the torch ranks must have. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from conformance.ranks import train as rank_train
+
+
+class NotComparable(Exception):
+    """The JAX backend's model is not the ranks' (other variable paths): no reference for the cell."""
+
+
+def partition_spec(variable) -> list | None:
+    """A variable's ``PartitionSpec`` as data: per dimension None, a mesh axis name, or a list of
+    them; None when JAX placed it on one device (no distribution)."""
+    value = getattr(variable, "value", variable)
+    spec = getattr(getattr(value, "sharding", None), "spec", None)
+    if spec is None:
+        return None
+    dims = list(spec) + [None] * (len(variable.shape) - len(spec))
+    return [list(d) if isinstance(d, tuple) else d for d in dims]
+
+
+def describe(variable) -> dict:
+    """What ``train._describe_slots`` records of a variable, the JAX way: its spec, not placements."""
+    return {"path": variable.path, "shape": tuple(variable.shape), "spec": partition_spec(variable)}
+
+
+def train(spec: dict, initial_weights: dict, nproc: int, jit: bool = False) -> dict:
+    """Fit, evaluate and predict ``spec``'s cell on the JAX backend under its distribution over
+    ``nproc`` virtual devices, from ``initial_weights`` (path -> array, the ranks' own)."""
+    import jax
+    import keras
+
+    if keras.backend.backend() != "jax":
+        raise RuntimeError(f"the JAX reference runs Keras' {keras.backend.backend()!r} backend, not jax")
+    layout = spec["layout"]
+    if layout["kind"] != "single":
+        devices = [f"cpu:{d.id}" for d in jax.devices("cpu")[:nproc]]
+        if len(devices) < nproc:
+            raise RuntimeError(f"{len(devices)} virtual CPU devices, the layout needs {nproc} "
+                               "(XLA_FLAGS=--xla_force_host_platform_device_count)")
+        keras.distribution.set_distribution(rank_train.make_distribution(layout, nproc, devices))
+    model_name = "twoinput" if spec["data"] == "dict" else spec["model"]
+    model = rank_train.build_model(model_name)
+    paths = [v.path for v in model.weights]
+    if sorted(paths) != sorted(initial_weights):
+        raise NotComparable(f"the JAX model's variables {paths} are not the ranks' {sorted(initial_weights)}")
+    for variable in model.weights:
+        variable.assign(initial_weights[variable.path])
+    model.compile(optimizer=rank_train.build_optimizer(spec["optimizer"]), loss="mse", jit_compile=jit,
+                  steps_per_execution=4 if spec["compile"] == "spe4" else 1)
+    x, y, w = rank_train.make_arrays(model_name)
+    kwargs = {"batch_size": rank_train.BATCH}
+    if spec["data"] == "sample-weights":
+        kwargs["sample_weight"] = w
+    # A PyDataset through the same adapter (it orders its batches itself); every other source
+    # yields the arrays' batches in order, so the arrays stand for it (its types may be torch's).
+    fit_args, fit_kwargs = ((x, y), dict(kwargs, shuffle=False)) if not spec["data"].startswith("pydataset") \
+        else rank_train.fit_inputs(spec["data"], x, y, w)
+
+    step_losses: list[float] = []
+
+    class StepLosses(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            step_losses.append(float(logs["loss"]))
+
+    history = model.fit(*fit_args, epochs=1, verbose=0, callbacks=[StepLosses()], **fit_kwargs)
+    slots, unmatched = rank_train._describe_slots(model, describe)
+    evaluation = model.evaluate(x, y, verbose=0, **kwargs)
+    prediction = model.predict(x, batch_size=rank_train.BATCH, verbose=0)
+    distribution = keras.distribution.distribution()
+    mesh = None if distribution is None else distribution.device_mesh
+    return {
+        "step_losses": step_losses,
+        "epoch_loss": [float(v) for v in history.history["loss"]],
+        "evaluate": float(evaluation if np.isscalar(evaluation) else evaluation[0]),
+        "predict": np.asarray(prediction),
+        "weights": {v.path: np.asarray(v.value) for v in model.weights},
+        "variables": [describe(v) for v in model.weights],
+        "slots": slots,
+        "unmatched_optimizer_variables": unmatched,
+        "mesh_axes": list(mesh.axis_names) if mesh is not None else [],
+        "mesh_shape": list(mesh.shape) if mesh is not None else [],
+        "jax_version": jax.__version__,
+    }

@@ -1,0 +1,173 @@
+"""The JAX reference's judge, on plain data: the layout translation (JAX PartitionSpec -> torch
+placements), the sharding and slot checks fed JAX's layouts, the numbers against JAX with their
+own message after single-process torch's, and the reference's cache key."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from keras_dtensor_conformance.verdicts import NUMERICS, SHARDING_LOST
+
+from conformance import axes
+from conformance.judge import fit_checks, jax_compare
+from conformance.reference import jax_key
+
+MESH_AXES = ["batch", "model"]
+SPEC = axes.cell_spec("mlp", "adagrad", "arrays", "nojit", "colshard")
+KERNEL, BIAS = "mlp/dense_a/kernel", "mlp/dense_a/bias"
+SLOT = "adagrad/mlp_dense_a_kernel_accumulator"
+
+
+@pytest.mark.parametrize("spec, want", [
+    ([None, "model"], ["R", "S(1)"]),
+    (["model", None], ["R", "S(0)"]),  # the model axis (mesh axis 1) shards dimension 0
+    (["batch", "model"], ["S(0)", "S(1)"]),
+    ([["batch", "model"], None], ["S(0)", "S(0)"]),
+    ([None, None], None),  # replicated: no DTensor required
+    ([None], None),
+    (None, None),  # one device, no distribution
+])
+def test_a_partition_spec_is_translated_to_torch_placements_per_mesh_axis(spec, want):
+    assert jax_compare.placements(spec, MESH_AXES) == want
+
+
+def test_local_shapes_follow_torch_chunking():
+    assert jax_compare.local_shape([None, "model"], (8, 16), MESH_AXES, [1, 2], 1) == (8, 8)
+    # 5 over 4 shards: 2, 2, 1, 0 (torch.chunk), by the rank's mesh coordinate
+    assert [jax_compare.local_shape(["model"], (5,), MESH_AXES, [1, 4], r) for r in range(4)] == \
+        [(2,), (2,), (1,), (0,)]
+    assert jax_compare.local_shape(["batch", "model"], (4, 6), MESH_AXES, [2, 2], 3) == (2, 3)
+
+
+def _jax(slot_spec=(None, "model"), slots=1) -> dict:
+    return {"mesh_axes": MESH_AXES, "mesh_shape": [1, 2],
+            "variables": [{"path": KERNEL, "shape": (8, 16), "spec": [None, "model"]},
+                          {"path": BIAS, "shape": (16,), "spec": [None]}],
+            "slots": [{"path": SLOT if i == 0 else f"{SLOT}{i}", "shape": (8, 16), "spec": list(slot_spec),
+                       "reference": KERNEL, "factor": None} for i in range(slots)]}
+
+
+def _var(path, shape, placements=None, local=None, **extra) -> dict:
+    entry = {"path": path, "type": "Parameter" if placements is None else "DTensor", "shape": shape,
+             "dtensor": placements is not None, **extra}
+    if placements is not None:
+        entry.update(placements=placements, local_shape=local)
+    return entry
+
+
+def _rank(rank: int, slot_dtensor: bool = True) -> dict:
+    variables = [_var(KERNEL, (8, 16), ["R", "S(1)"], (8, 8)), _var(BIAS, (16,))]
+    slot = (_var(SLOT, (8, 16), ["R", "S(1)"], (8, 8), reference=KERNEL, factor=None) if slot_dtensor
+            else _var(SLOT, (8, 16), reference=KERNEL, factor=None))
+    return {"stages": {"built": variables, "fit": variables}, "slots": [slot], "unmatched_optimizer_variables": []}
+
+
+def test_the_jax_layouts_pass_a_rank_that_has_them():
+    assert fit_checks.sharding_lost(SPEC, [_rank(0), _rank(1)], 2, _jax()) is None
+
+
+def test_a_slot_that_lost_the_sharding_jax_gives_it_is_sharding_lost():
+    verdict, message = fit_checks.sharding_lost(SPEC, [_rank(0, slot_dtensor=False), _rank(1)], 2, _jax())
+    assert verdict == SHARDING_LOST
+    assert f"rank 0 optimizer slot {SLOT}: a plain Parameter, expected a DTensor ['R', 'S(1)']" in message
+    assert "as the JAX backend lays it out" in message
+
+
+def test_the_slot_count_comes_from_jax_not_from_the_table():
+    # JAX keeps two full slots for the kernel: a build whose torch side keeps one is short of one,
+    # whatever axes.SLOTS says (1 for Adagrad).
+    verdict, message = fit_checks.sharding_lost(SPEC, [_rank(0), _rank(1)], 2, _jax(slots=2))
+    assert verdict == SHARDING_LOST and f"expected 2 optimizer slots for {KERNEL}, found 1" in message
+
+
+def test_a_slot_is_held_to_its_variables_layout_even_where_jax_left_it_whole():
+    # A build whose shared optimizer code drops the slots' layout does so on JAX too (the slots-plain
+    # mutant): the slot is still held to its variable's layout, never to less.
+    verdict, message = fit_checks.sharding_lost(SPEC, [_rank(0, slot_dtensor=False)] * 2, 2,
+                                                _jax(slot_spec=(None, None)))
+    assert verdict == SHARDING_LOST and f"optimizer slot {SLOT}: a plain Parameter" in message
+
+
+def test_what_the_layout_map_shards_is_asked_even_where_jax_left_it_whole():
+    jax = _jax()
+    jax["variables"][0]["spec"] = [None, None]
+    ranks = [_rank(0), _rank(1)]
+    for value in ranks:
+        value["stages"]["fit"] = [_var(KERNEL, (8, 16)), _var(BIAS, (16,))]
+    verdict, message = fit_checks.sharding_lost(SPEC, ranks, 2, jax)
+    assert verdict == SHARDING_LOST and f"after fit: {KERNEL}: a plain Parameter" in message
+
+
+def _numbers(scale: float = 1.0) -> dict:
+    return {"step_losses": [1.0, 0.9], "epoch_loss": [0.95], "evaluate": 0.8,
+            "predict": np.ones((4, 2), "float32"), "rows": np.arange(4), "batch_part": [0, 1],
+            "weights": {KERNEL: np.full((8, 16), 0.5 * scale, "float32")}, "device": "cpu",
+            "distribution": "ModelParallel", "unsynchronized_batch_norm": []}
+
+
+def _evidence(scale=1.0) -> dict:
+    return {**_numbers(scale), **_rank(0), "compiled_graphs": 0}
+
+
+def test_numbers_that_differ_from_jax_but_not_from_single_process_torch_say_a_bug_both_share():
+    ranks = [_evidence(1.01), _evidence(1.01)]
+    found = fit_checks.fit_failure(SPEC, ranks, 2, _numbers(1.01), jax={**_jax(), **_numbers()})
+    assert found[0] == NUMERICS and found[1].startswith(jax_compare.BOTH_SHARE)
+    assert f"weight {KERNEL}: max abs difference" in found[1]
+
+
+def test_numbers_that_differ_from_single_process_torch_say_a_distribution_bug_first():
+    ranks = [_evidence(1.01), _evidence(1.01)]
+    found = fit_checks.fit_failure(SPEC, ranks, 2, _numbers(), jax={**_jax(), **_numbers()})
+    assert found[0] == NUMERICS and found[1].startswith("distributed torch differs from single-process torch")
+
+
+def test_numbers_within_the_optimizers_tolerance_of_jax_pass():
+    tol = jax_compare.tolerance("adagrad")
+    ranks = [_evidence(1 + tol["rtol"] / 10)] * 2
+    assert fit_checks.fit_failure(SPEC, ranks, 2, _numbers(1 + tol["rtol"] / 10), jax={**_jax(), **_numbers()}) is None
+
+
+def test_without_a_jax_reference_the_hand_written_table_judges():
+    assert fit_checks.fit_failure(SPEC, [_evidence(1.01)] * 2, 2, _numbers(1.01), jax=None) is None
+
+
+def test_every_tolerance_names_an_optimizer_row():
+    assert set(jax_compare.TOLERANCES) <= set(axes.OPTIMIZERS)
+    for tol in [jax_compare.DEFAULT, *jax_compare.TOLERANCES.values()]:
+        assert 0 < tol["rtol"] <= 1e-3 and 0 < tol["atol"] <= 1e-4  # far below one update (>= 1e-3)
+
+
+def test_one_jax_reference_serves_every_compile_mode_and_plain_data_source():
+    weights = {KERNEL: np.zeros((8, 16), "float32")}
+    key = jax_key(SPEC, weights, 2)
+    for other in (axes.cell_spec("mlp", "adagrad", "dataloader", "jit", "colshard"),
+                  axes.cell_spec("mlp", "adagrad", "arrays", "eager", "colshard")):
+        assert jax_key(other, weights, 2) == key
+    for other, w, n in ((axes.cell_spec("mlp", "adagrad", "arrays", "spe4", "colshard"), weights, 2),
+                        (axes.cell_spec("mlp", "adagrad", "arrays", "nojit", "rowshard"), weights, 2),
+                        (axes.cell_spec("mlp", "adagrad", "sample-weights", "nojit", "colshard"), weights, 2),
+                        (SPEC, {KERNEL: np.ones((8, 16), "float32")}, 2),
+                        (SPEC, weights, 4)):
+        assert jax_key(other, w, n) != key
+
+
+def test_without_jax_installed_a_cell_says_why_no_jax_reference_ran():
+    from conformance.reference import NO_JAX, JaxReferences
+
+    jax = JaxReferences(None, 2).get(SPEC, [{"initial_weights": {}}])
+    assert jax.evidence is None and jax.note == f"not run: {NO_JAX}"
+
+
+def test_an_optimizer_row_whose_default_cells_are_not_cells_is_named():
+    row = axes.Optimizer("SGD", {}, slots=axes.Slots(0), default_cells=(("arrays", "compiled"),))
+    with pytest.raises(ValueError, match=r"axes.OPTIMIZERS\['x'\]: default_cells: \('arrays', 'compiled'\) is not"):
+        axes.check_optimizers({"x": row})
+
+
+def test_the_scale_sensitive_sgd_variants_have_one_default_cell_each():
+    default = set(axes.training_cells(False))
+    for name in ("sgd-ema", "sgd-accum", "sgd-clipnorm", "sgd-clipvalue", "sgd-globalclipnorm"):
+        mine = [c for c in default if c[1] == name]
+        assert mine == [("mlp", name, "arrays", "nojit", "colshard")], name
+        assert ("mlp", name, "dataloader", "jit", "colshard") in axes.training_cells(True)
