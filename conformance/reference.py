@@ -125,16 +125,17 @@ class JaxReference:
 def jax_key(spec: dict, initial_weights: dict, nproc: int) -> str:
     """What a JAX reference depends on: the model, optimizer, the data as fed (plain, sample
     weights, dict inputs or a PyDataset, which orders its batches itself: every other source yields
-    the arrays' batches in order), whether
-    steps_per_execution is 4, the layout's kind, mesh and map, the ranks' count, and the initial
-    weights; not the torch compile mode or data source."""
+    the arrays' batches in order), the layout's kind, mesh and map, the ranks' count, and the initial
+    weights; not the torch compile mode or data source, nor steps_per_execution (the JAX run reports
+    every step's running loss, and a ``spe4`` cell is compared with the steps it reports:
+    ``jax_compare.reported_steps``)."""
     digest = hashlib.sha256()
     for path in sorted(initial_weights):
         digest.update(path.encode())
         digest.update(np.ascontiguousarray(initial_weights[path]).tobytes())
     data = spec["data"] if spec["data"] in ("sample-weights", "dict", "pydataset", "pydataset-workers") else "plain"
     layout = {k: v for k, v in spec["layout"].items()}
-    return json.dumps([spec["model"], spec["optimizer"], data, spec["compile"] == "spe4", layout, nproc,
+    return json.dumps([spec["model"], spec["optimizer"], data, layout, nproc,
                        digest.hexdigest()], sort_keys=True)
 
 

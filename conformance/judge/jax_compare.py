@@ -113,7 +113,18 @@ def slot_counts(jax: dict, layout: dict, nproc: int):
 BOTH_SHARE = "torch differs from JAX while single-process and distributed torch agree: a torch-backend bug both share"
 
 
+def reported_steps(values: list[dict], jax: dict) -> dict:
+    """``jax`` with its step losses read where the cell reports them: a ``steps_per_execution=k``
+    fit calls ``on_train_batch_end`` once every k steps, with the epoch's running loss so far, which
+    is the JAX run's running loss at steps k, 2k, ... (one JAX run serves every compile mode)."""
+    ran, reported = len(jax["step_losses"]), len(values[0]["step_losses"])
+    if reported == ran or reported == 0 or ran % reported:
+        return jax
+    every = ran // reported
+    return dict(jax, step_losses=jax["step_losses"][every - 1::every])
+
+
 def numbers_differ_from_jax(optimizer: str, values: list[dict], jax: dict) -> list[str]:
     """Every rank's losses, evaluate, predict and final weights against the JAX backend's, within
     ``tolerance(optimizer)`` (empty: they agree)."""
-    return numerics_problems(values, jax, tolerance(optimizer))
+    return numerics_problems(values, reported_steps(values, jax), tolerance(optimizer))

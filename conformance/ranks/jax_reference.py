@@ -64,8 +64,7 @@ def train(spec: dict, initial_weights: dict, nproc: int, jit: bool = False) -> d
         raise NotComparable(f"the JAX model's variables {paths} are not the ranks' {sorted(initial_weights)}")
     for variable in model.weights:
         variable.assign(initial_weights[variable.path])
-    model.compile(optimizer=rank_train.build_optimizer(spec["optimizer"]), loss="mse", jit_compile=jit,
-                  steps_per_execution=4 if spec["compile"] == "spe4" else 1)
+    model.compile(optimizer=rank_train.build_optimizer(spec["optimizer"]), loss="mse", jit_compile=jit)
     x, y, w = rank_train.make_arrays(model_name)
     kwargs = {"batch_size": rank_train.BATCH}
     if spec["data"] == "sample-weights":
