@@ -122,21 +122,20 @@ class JaxReference:
     note: str  #: the cell record's ``references["jax"]``: "judged: ..." or "not run: why"
 
 
-def jax_key(spec: dict, initial_weights: dict, nproc: int) -> str:
-    """What a JAX reference depends on: the model, optimizer, the data as fed (plain, sample
-    weights, dict inputs or a PyDataset, which orders its batches itself: every other source yields
-    the arrays' batches in order), the layout's kind, mesh and map, the ranks' count, and the initial
-    weights; not the torch compile mode or data source, nor steps_per_execution (the JAX run reports
-    every step's running loss, and a ``spe4`` cell is compared with the steps it reports:
-    ``jax_compare.reported_steps``)."""
+def jax_key(spec: dict, initial_weights: dict, nproc: int | None) -> str:
+    """What a JAX reference's numbers depend on: the model, optimizer, the data as fed (plain,
+    sample weights, dict inputs or a PyDataset, which orders its batches itself: every other source
+    yields the arrays' batches in order) and the initial weights; not the torch compile mode or data
+    source, nor steps_per_execution (the JAX run reports every step's running loss, and a ``spe4``
+    cell is compared with the steps it reports: ``jax_compare.reported_steps``). With ``nproc``, the
+    key of its layouts: the layout's kind, mesh and map and the ranks' count too."""
     digest = hashlib.sha256()
     for path in sorted(initial_weights):
         digest.update(path.encode())
         digest.update(np.ascontiguousarray(initial_weights[path]).tobytes())
     data = spec["data"] if spec["data"] in ("sample-weights", "dict", "pydataset", "pydataset-workers") else "plain"
-    layout = {k: v for k, v in spec["layout"].items()}
-    return json.dumps([spec["model"], spec["optimizer"], data, layout, nproc,
-                       digest.hexdigest()], sort_keys=True)
+    layout = None if nproc is None else [spec["layout"], nproc]
+    return json.dumps([spec["model"], spec["optimizer"], data, layout, digest.hexdigest()], sort_keys=True)
 
 
 #: The JAX reference's train step jit-compiled: measured here (one XLA thread, 2 virtual devices),
@@ -147,35 +146,59 @@ def jax_key(spec: dict, initial_weights: dict, nproc: int) -> str:
 JIT = True
 
 
+def _mesh(evidence: dict) -> str:
+    return "x".join(str(n) for n in evidence["mesh_shape"]) or "no"
+
+
 class JaxReferences:
     """The same build's JAX backend run on each cell's data from the ranks' initial weights, under
-    the cell's distribution on virtual CPU devices; cached per ``jax_key`` (one serves every compile
-    mode and data source of a model, optimizer and layout)."""
+    the cell's distribution on virtual CPU devices.
+
+    The numbers are cached per ``jax_key`` without the layout (one fitted run serves every compile
+    mode, data source and layout of a model, optimizer and data: JAX computes the same model under
+    every distribution, within the tolerances), the layouts per ``jax_key`` with it: the fitted run's
+    own, or for another layout a run that only builds the model and its optimizer's variables under
+    that distribution (``jax_reference.train(fit=False)``: no XLA compile of a train step)."""
 
     def __init__(self, pool, nproc: int):
         self.pool = pool  # None: JAX is not installed
         self.nproc = nproc
-        self._cache: dict[str, JaxReference] = {}
+        self._numbers: dict[str, JaxReference] = {}
+        self._layouts: dict[str, JaxReference] = {}
 
     def get(self, spec: dict, values: list[dict]) -> JaxReference:
         if self.pool is None:
             return JaxReference(None, f"not run: {NO_JAX}")
         initial = values[0]["initial_weights"]
-        key = jax_key(spec, initial, self.nproc)
-        if key not in self._cache:
-            self._cache[key] = self._compute(spec, initial)
-        return self._cache[key]
+        numbers_key, layouts_key = jax_key(spec, initial, None), jax_key(spec, initial, self.nproc)
+        if numbers_key not in self._numbers:
+            numbers = self._numbers[numbers_key] = self._run(spec, initial, True)
+            if numbers.evidence is not None:
+                self._layouts[layouts_key] = numbers
+        numbers = self._numbers[numbers_key]
+        if numbers.evidence is None:
+            return numbers
+        if layouts_key not in self._layouts:
+            self._layouts[layouts_key] = self._run(spec, initial, False)
+        layouts = self._layouts[layouts_key]
+        if layouts.evidence is None:
+            return layouts
+        if layouts is numbers:
+            return numbers
+        evidence = {**numbers.evidence, **{k: layouts.evidence[k] for k in rank_jax.LAYOUT_KEYS}}
+        return JaxReference(evidence, f"judged: keras' JAX backend (jax {evidence['jax_version']}; numbers "
+                                      f"fitted on a {_mesh(numbers.evidence)} mesh, layouts built on a "
+                                      f"{_mesh(evidence)} mesh of virtual CPU devices)")
 
-    def _compute(self, spec: dict, initial: dict) -> JaxReference:
-        result = self.pool.run(rank_jax.train, spec, initial, self.nproc, JIT)
+    def _run(self, spec: dict, initial: dict, fit: bool) -> JaxReference:
+        result = self.pool.run(rank_jax.train, spec, initial, self.nproc, JIT, fit)
         if not result.ok:
             error = next((o.error for o in result.outcomes if o.error is not None), None)
             why = f"{error.type.rpartition('.')[2]}: {error.message}" if error is not None else result.story()
             return JaxReference(None, f"not run: this build's JAX backend could not run the cell ({why})")
         evidence = result.values[0]
-        mesh = "x".join(str(n) for n in evidence["mesh_shape"]) or "no"
         return JaxReference(evidence, f"judged: keras' JAX backend (jax {evidence['jax_version']}, "
-                                      f"{mesh} mesh of virtual CPU devices)")
+                                      f"{_mesh(evidence)} mesh of virtual CPU devices)")
 
 
 def both(references: References, jax: JaxReferences, spec: dict, values: list[dict] | None):

@@ -150,6 +150,43 @@ def test_one_jax_reference_serves_every_compile_mode_and_plain_data_source():
                         (SPEC, {KERNEL: np.ones((8, 16), "float32")}, 2),
                         (SPEC, weights, 4)):
         assert jax_key(other, w, n) != key
+    # The numbers' key leaves the layout out: one fitted run serves every layout.
+    numbers = jax_key(SPEC, weights, None)
+    assert jax_key(axes.cell_spec("mlp", "adagrad", "arrays", "nojit", "rowshard"), weights, None) == numbers
+    assert jax_key(axes.cell_spec("mlp", "adagrad", "sample-weights", "nojit", "colshard"), weights, None) != numbers
+
+
+class FakeJaxPool:
+    """Stands for the JAX process: records each run and answers numbers and layouts that say which
+    run made them."""
+
+    def __init__(self):
+        self.runs = []
+
+    def run(self, fn, spec, initial, nproc, jit, fit):
+        import types
+
+        self.runs.append((spec["layout_name"], fit))
+        evidence = {"variables": [spec["layout_name"]], "slots": [], "unmatched_optimizer_variables": [],
+                    "mesh_axes": ["batch", "model"], "mesh_shape": [1, nproc], "jax_version": "x"}
+        if fit:
+            evidence["weights"] = {"fitted under": spec["layout_name"]}
+        return types.SimpleNamespace(ok=True, values=[evidence], outcomes=[])
+
+
+def test_one_fitted_jax_run_serves_every_layout_and_each_other_layout_only_builds():
+    from conformance.reference import JaxReferences
+
+    pool = FakeJaxPool()
+    references = JaxReferences(pool, 2)
+    values = [{"initial_weights": {KERNEL: np.zeros((8, 16), "float32")}}]
+    first = references.get(axes.cell_spec("mlp", "adagrad", "arrays", "nojit", "colshard"), values)
+    other = references.get(axes.cell_spec("mlp", "adagrad", "arrays", "jit", "rowshard"), values)
+    again = references.get(axes.cell_spec("mlp", "adagrad", "dataloader", "spe4", "rowshard"), values)
+    assert pool.runs == [("colshard", True), ("rowshard", False)]
+    assert first.evidence["variables"] == ["colshard"] and first.evidence["weights"] == {"fitted under": "colshard"}
+    assert other.evidence["variables"] == ["rowshard"] and other.evidence["weights"] == {"fitted under": "colshard"}
+    assert "layouts built" in other.note and again.evidence == other.evidence
 
 
 def test_without_jax_installed_a_cell_says_why_no_jax_reference_ran():

@@ -42,9 +42,14 @@ def describe(variable) -> dict:
     return {"path": variable.path, "shape": tuple(variable.shape), "spec": partition_spec(variable)}
 
 
-def train(spec: dict, initial_weights: dict, nproc: int, jit: bool = False) -> dict:
+def train(spec: dict, initial_weights: dict, nproc: int, jit: bool = False, fit: bool = True) -> dict:
     """Fit, evaluate and predict ``spec``'s cell on the JAX backend under its distribution over
-    ``nproc`` virtual devices, from ``initial_weights`` (path -> array, the ranks' own)."""
+    ``nproc`` virtual devices, from ``initial_weights`` (path -> array, the ranks' own).
+
+    ``fit=False`` returns only the layouts (``LAYOUT_KEYS``): the model and its optimizer's
+    variables built under the distribution, as the first train step builds them, and no step run.
+    The numbers do not depend on the layout, so one fitted run serves every layout of a model,
+    optimizer and data, and each other layout costs only this (``reference.JaxReferences``)."""
     import jax
     import keras
 
@@ -65,6 +70,9 @@ def train(spec: dict, initial_weights: dict, nproc: int, jit: bool = False) -> d
     for variable in model.weights:
         variable.assign(initial_weights[variable.path])
     model.compile(optimizer=rank_train.build_optimizer(spec["optimizer"]), loss="mse", jit_compile=jit)
+    if not fit:
+        model.optimizer.build(model.trainable_variables)
+        return layouts(model)
     x, y, w = rank_train.make_arrays(model_name)
     kwargs = {"batch_size": rank_train.BATCH}
     if spec["data"] == "sample-weights":
@@ -81,17 +89,32 @@ def train(spec: dict, initial_weights: dict, nproc: int, jit: bool = False) -> d
             step_losses.append(float(logs["loss"]))
 
     history = model.fit(*fit_args, epochs=1, verbose=0, callbacks=[StepLosses()], **fit_kwargs)
-    slots, unmatched = rank_train._describe_slots(model, describe)
+    found = layouts(model)
     evaluation = model.evaluate(x, y, verbose=0, **kwargs)
     prediction = model.predict(x, batch_size=rank_train.BATCH, verbose=0)
-    distribution = keras.distribution.distribution()
-    mesh = None if distribution is None else distribution.device_mesh
     return {
         "step_losses": step_losses,
         "epoch_loss": [float(v) for v in history.history["loss"]],
         "evaluate": float(evaluation if np.isscalar(evaluation) else evaluation[0]),
         "predict": np.asarray(prediction),
         "weights": {v.path: np.asarray(v.value) for v in model.weights},
+        **found,
+    }
+
+
+#: What ``layouts`` returns: the part of a JAX reference that depends on the layout.
+LAYOUT_KEYS = ("variables", "slots", "unmatched_optimizer_variables", "mesh_axes", "mesh_shape", "jax_version")
+
+
+def layouts(model) -> dict:
+    """Every variable's and optimizer slot's ``PartitionSpec``, and the mesh they refer to."""
+    import jax
+    import keras
+
+    slots, unmatched = rank_train._describe_slots(model, describe)
+    distribution = keras.distribution.distribution()
+    mesh = None if distribution is None else distribution.device_mesh
+    return {
         "variables": [describe(v) for v in model.weights],
         "slots": slots,
         "unmatched_optimizer_variables": unmatched,
