@@ -138,20 +138,13 @@ def jax_key(spec: dict, initial_weights: dict, nproc: int | None) -> str:
     return json.dumps([spec["model"], spec["optimizer"], data, layout, digest.hexdigest()], sort_keys=True)
 
 
-def jit_for(fitted: set, spec: dict) -> bool:
-    """Whether a fitted JAX run compiles its steps with XLA: the first fit of a model on a layout
-    does, later fits of that model and layout (another optimizer or data) run eagerly. Eager JAX
-    compiles each op once per shape and sharding and keeps it, so a model's first eager fit pays
-    for every op (measured here, one XLA thread, 2 virtual devices: 6-7.7 s for the attention
-    model's, 1.8-2.9 s for a new layout of the MLP, against 0.5-1.7 s compiled), and a later one
-    only for the ops its optimizer adds (SGD 0.05 s, Adagrad 0.06 s eager against 0.3-0.6 s
-    compiled, whose train, test and predict functions compile anew for every model). Numbers agree
-    either way, within the tolerances (``docs/measurements.md``, the JAX reference)."""
-    seen = (spec["model"], spec["data"] == "dict", json.dumps(spec["layout"], sort_keys=True))
-    if seen in fitted:
-        return False
-    fitted.add(seen)
-    return True
+#: The JAX reference's steps XLA-compiled. Measured here (one XLA thread, 2 virtual devices):
+#: eager JAX compiles each op once per shape and sharding, 6-7.7 s for the attention model's first
+#: fit on a layout and 1.8-2.9 s for a new layout of the MLP, against 0.5-1.7 s compiled; and a new
+#: optimizer's sharded update ops cost about as much eager as compiled: the 26 optimizers' first
+#: cells of the default tier took 21.2 s more than before the JAX reference with every fit but the
+#: first eager, 16.8 s with every fit compiled (docs/measurements.md). Numbers agree either way.
+JIT = True
 
 
 def _mesh(evidence: dict) -> str:
@@ -173,7 +166,6 @@ class JaxReferences:
         self.nproc = nproc
         self._numbers: dict[str, JaxReference] = {}
         self._layouts: dict[str, JaxReference] = {}
-        self._fitted: set = set()  # (model, dict inputs, layout) fitted once already: ``jit_for``
 
     def get(self, spec: dict, values: list[dict]) -> JaxReference:
         if self.pool is None:
@@ -200,14 +192,13 @@ class JaxReferences:
                                       f"{_mesh(evidence)} mesh of virtual CPU devices)")
 
     def _run(self, spec: dict, initial: dict, fit: bool) -> JaxReference:
-        jit = fit and jit_for(self._fitted, spec)
-        result = self.pool.run(rank_jax.train, spec, initial, self.nproc, jit, fit)
+        result = self.pool.run(rank_jax.train, spec, initial, self.nproc, JIT, fit)
         if not result.ok:
             error = next((o.error for o in result.outcomes if o.error is not None), None)
             why = f"{error.type.rpartition('.')[2]}: {error.message}" if error is not None else result.story()
             return JaxReference(None, f"not run: this build's JAX backend could not run the cell ({why})")
         evidence = result.values[0]
-        how = "" if not fit else ", XLA-compiled" if jit else ", eager"
+        how = ", XLA-compiled" if fit and JIT else ""
         return JaxReference(evidence, f"judged: keras' JAX backend (jax {evidence['jax_version']}, "
                                       f"{_mesh(evidence)} mesh of virtual CPU devices{how})")
 

@@ -218,14 +218,3 @@ def test_a_spe4_cell_is_compared_with_the_running_loss_at_the_steps_it_reports()
     # A count that divides none: compared as it is, so the shapes differ and the check says so.
     assert jax_compare.reported_steps([{"step_losses": [1.0, 2.0, 3.0]}], jax) is jax
 
-
-def test_a_model_and_layout_fitted_once_is_fitted_eagerly_after():
-    from conformance.reference import jit_for
-
-    fitted: set = set()
-    adam, sgd = (axes.cell_spec("mlp", o, "arrays", "nojit", "colshard") for o in ("adam", "sgd"))
-    assert jit_for(fitted, adam) is True
-    assert jit_for(fitted, sgd) is False
-    assert jit_for(fitted, axes.cell_spec("mlp", "sgd", "arrays", "nojit", "rowshard")) is True
-    assert jit_for(fitted, axes.cell_spec("attention", "adam", "arrays", "nojit", "colshard")) is True
-    assert jit_for(fitted, axes.cell_spec("mlp", "adam", "dict", "nojit", "colshard")) is True

@@ -8,7 +8,7 @@ same ``LayoutMap`` (``train.make_distribution``), the same model, optimizer and 
 ranks started from (set by path), so the two backends' random streams do not matter, and feeds
 the GLOBAL batches in order as numpy arrays: every data source of a cell yields those batches, so
 one JAX reference serves every source, compile mode and torch layout with the same mesh and map.
-``jit`` compiles its steps with XLA (the controller's choice: ``reference.jit_for``).
+``jit`` compiles its steps with XLA (the controller's choice: ``reference.JIT``).
 
 It returns the numbers the judge compares (``conformance.judge.jax_compare``) and, for every
 variable and optimizer slot, the layout JAX gave it (its ``PartitionSpec`` as data), from which
