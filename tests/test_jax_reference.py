@@ -167,7 +167,7 @@ class FakeJaxPool:
         import types
 
         self.runs.append((spec["layout_name"], fit))
-        evidence = {"variables": [spec["layout_name"]], "slots": [], "unmatched_optimizer_variables": [],
+        evidence = {"variables": [spec["layout_name"]], "slots": [], "unmatched_optimizer_variables": [], "unattributed_slots": [],
                     "mesh_axes": ["batch", "model"], "mesh_shape": [1, nproc], "jax_version": "x"}
         if fit:
             evidence["weights"] = {"fitted under": spec["layout_name"]}
@@ -218,3 +218,11 @@ def test_a_spe4_cell_is_compared_with_the_running_loss_at_the_steps_it_reports()
     # A count that divides none: compared as it is, so the shapes differ and the check says so.
     assert jax_compare.reported_steps([{"step_losses": [1.0, 2.0, 3.0]}], jax) is jax
 
+
+
+def test_slots_jax_cannot_attribute_leave_the_counts_to_the_table():
+    jax = {"variables": [{"path": KERNEL, "shape": (8, 16), "spec": [None, "model"]}], "slots": [],
+           "mesh_axes": ["batch", "model"], "mesh_shape": [1, 2]}
+    layout = axes.LAYOUTS["colshard"]
+    assert jax_compare.slot_counts(jax, layout, 2)({"path": KERNEL, "shape": (8, 16)}) == {"full": 0, "factored": 0}
+    assert jax_compare.slot_counts(dict(jax, unattributed_slots=["adam/momentum_3"]), layout, 2) is None

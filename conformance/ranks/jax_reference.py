@@ -103,7 +103,8 @@ def train(spec: dict, initial_weights: dict, nproc: int, jit: bool = False, fit:
 
 
 #: What ``layouts`` returns: the part of a JAX reference that depends on the layout.
-LAYOUT_KEYS = ("variables", "slots", "unmatched_optimizer_variables", "mesh_axes", "mesh_shape", "jax_version")
+LAYOUT_KEYS = ("variables", "slots", "unmatched_optimizer_variables", "unattributed_slots", "mesh_axes", "mesh_shape",
+               "jax_version")
 
 
 def layouts(model) -> dict:
@@ -112,12 +113,16 @@ def layouts(model) -> dict:
     import keras
 
     slots, unmatched = rank_train._describe_slots(model, describe)
+    shapes = {v.path: tuple(v.shape) for v in model.optimizer.variables}
     distribution = keras.distribution.distribution()
     mesh = None if distribution is None else distribution.device_mesh
     return {
         "variables": [describe(v) for v in model.weights],
         "slots": slots,
         "unmatched_optimizer_variables": unmatched,
+        # Optimizer state no model variable claims (scalars such as iterations aside): slots whose
+        # names lost their variable's path, in both backends (``jax_compare.slot_counts``).
+        "unattributed_slots": [path for path in unmatched if len(shapes.get(path, ())) > 0],
         "mesh_axes": list(mesh.axis_names) if mesh is not None else [],
         "mesh_shape": list(mesh.shape) if mesh is not None else [],
         "jax_version": jax.__version__,
