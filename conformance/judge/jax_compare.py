@@ -30,7 +30,7 @@ DEFAULT = {"rtol": 1e-4, "atol": 1e-5}
 
 #: optimizer name (an ``axes.OPTIMIZERS`` key) -> its tolerance against JAX, with why; a row not
 #: named here gets DEFAULT. The three below were suspected of needing more and measured not to.
-TOLERANCES = {
+JAX_TOLERANCES = {
     # sign(beta_1*m + (1-beta_1)*g): an entry within rounding of 0 could take opposite signs on the
     # two backends, a whole step (lr = 1e-3) apart. Measured: identical results (difference 0.0), so
     # DEFAULT; a sign flip is a 2e-3 difference that fails, and an entry that close to 0 is not
@@ -47,7 +47,7 @@ TOLERANCES = {
 
 def tolerance(optimizer: str) -> dict:
     """The tolerance against JAX of an ``axes.OPTIMIZERS`` row's cells."""
-    return TOLERANCES.get(optimizer, DEFAULT)
+    return JAX_TOLERANCES.get(optimizer, DEFAULT)
 
 
 # ---------------------------------------------------------------- layouts
