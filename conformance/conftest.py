@@ -9,6 +9,7 @@ import pytest
 from conformance import axes
 from conformance.judge import oracle
 from conformance.judge.sharding import mesh_shape
+from conformance.marks import mesh_marks
 from conformance.reference import JaxReferences, OtherBuild, References, both, jax_installed
 
 
@@ -72,24 +73,6 @@ def references_for(references, jax_references, request):
     return get
 
 
-@pytest.fixture
-def reference_for(references, request):
-    """``reference_for(spec)``: the cell's reference PoolResult; records on the cell (JSON report,
-    junitxml) which reference that was and whether the NumPy oracle judges the cell.
-
-    Through the item's ``user_properties``, as the cell's axes are (``record_property`` would warn
-    under junitxml's default xunit2 family)."""
-
-    def get(spec: dict):
-        properties = request.node.user_properties
-        properties.append(("oracle", oracle.coverage(spec)))
-        reference = references.lookup(spec)
-        properties.append(("reference", reference.source))
-        return reference.result
-
-    return get
-
-
 def training_params(full: bool) -> list:
     params = []
     for coords in axes.training_cells(full):
@@ -101,10 +84,7 @@ def training_params(full: bool) -> list:
             row=optimizer if model == "mlp" else f"{model} {optimizer}",
             column=f"{data}/{compile_mode}",
             model=model, optimizer=optimizer, data=data, compile=compile_mode, layout=layout_name,
-        )]
-        layout = axes.LAYOUTS[layout_name]
-        if "nproc" not in layout.get("mesh", ("nproc",)):
-            marks.append(pytest.mark.mesh(*layout["mesh"]))
+        ), *mesh_marks(layout_name)]
         params.append(pytest.param(coords, id=axes.cell_id(*coords), marks=marks))
     return params
 

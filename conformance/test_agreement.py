@@ -24,6 +24,7 @@ import pytest
 
 from conformance import axes
 from conformance.judge import judge_agreement
+from conformance.marks import mesh_marks
 from conformance.ranks import agreement as rank_agreement
 
 #: A correct build runs a callback cell in a few seconds; a rank that decided alone hangs its
@@ -54,17 +55,12 @@ def callback_cells(full: bool) -> list[tuple[str, str]]:
     return list(dict.fromkeys(cells))
 
 
-def _mesh_marks(layout: str) -> list:
-    mesh = axes.LAYOUTS[layout].get("mesh", ("nproc",))
-    return [] if "nproc" in mesh else [pytest.mark.mesh(*mesh)]
-
-
 def metric_params(full: bool) -> list:
     params = []
     for metric, compile_mode, layout in metric_cells(full):
         cell_id = "-".join([metric, layout] if compile_mode == "nojit" else [metric, compile_mode, layout])
         marks = [pytest.mark.cell(family="agreement metrics", row=metric, column=f"{layout}/{compile_mode}",
-                                  metric=metric, compile=compile_mode, layout=layout), *_mesh_marks(layout)]
+                                  metric=metric, compile=compile_mode, layout=layout), *mesh_marks(layout)]
         params.append(pytest.param((metric, compile_mode, layout), id=cell_id, marks=marks))
     return params
 
@@ -73,7 +69,7 @@ def callback_params(full: bool) -> list:
     params = []
     for callback, layout in callback_cells(full):
         marks = [pytest.mark.cell(family="agreement callbacks", row=callback, column=layout,
-                                  callback=callback, layout=layout), CALLBACK_TIMEOUT, *_mesh_marks(layout)]
+                                  callback=callback, layout=layout), CALLBACK_TIMEOUT, *mesh_marks(layout)]
         params.append(pytest.param((callback, layout), id=f"{callback}-{layout}", marks=marks))
     return params
 

@@ -16,6 +16,7 @@ import pytest
 
 from conformance import axes
 from conformance.judge import judge_keras_sharded
+from conformance.marks import mesh_marks
 from conformance.ranks import data_sharding as rank_data
 
 #: A correct build runs a cell in a few seconds; a process left with a step its peers never take
@@ -26,11 +27,8 @@ SHARDED_TIMEOUT = pytest.mark.rank_timeout(30)
 def sharded_params(full: bool) -> list:
     params = []
     for source, uneven, layout in axes.keras_sharded_cells(full):
-        mesh = axes.LAYOUTS[layout].get("mesh", ("nproc",))
         marks = [pytest.mark.cell(family=f"keras-sharded {layout}", row=source, column="uneven" if uneven else "even",
-                                  data=source, uneven=uneven, layout=layout), SHARDED_TIMEOUT]
-        if "nproc" not in mesh:
-            marks.append(pytest.mark.mesh(*mesh))
+                                  data=source, uneven=uneven, layout=layout), SHARDED_TIMEOUT, *mesh_marks(layout)]
         params.append(pytest.param((source, uneven, layout), id=axes.keras_sharded_id(source, uneven, layout),
                                    marks=marks))
     return params

@@ -24,8 +24,8 @@ import pytest
 from conformance import axes
 from conformance.judge import raise_found, ran_everywhere
 from conformance.judge import state as judge_state
+from conformance.marks import mesh_marks
 from conformance.ranks import state as rank_state
-from conformance.test_agreement import _mesh_marks
 
 DEFAULT_RECONCILE = ("dataparallel", "colshard")
 DEFAULT_CHECKPOINTS = (("optimizer-roundtrip", "colshard"), ("reshard-to-rowshard", "colshard"),
@@ -37,7 +37,7 @@ def reconcile_params(full: bool) -> list:
     layouts = list(axes.LAYOUTS) if full else list(DEFAULT_RECONCILE)
     return [pytest.param(layout, id=layout, marks=[
         pytest.mark.cell(family="state reconcile", row="reconcile", column=layout, state="reconcile", layout=layout),
-        *_mesh_marks(layout)]) for layout in layouts]
+        *mesh_marks(layout)]) for layout in layouts]
 
 
 def checkpoint_cells(full: bool) -> list[tuple[str, str]]:
@@ -51,7 +51,7 @@ def checkpoint_cells(full: bool) -> list[tuple[str, str]]:
 def checkpoint_params(full: bool) -> list:
     return [pytest.param((kind, layout), id=f"{kind}-{layout}", marks=[
         pytest.mark.cell(family="state checkpoint", row=kind, column=layout, state="checkpoint", checkpoint=kind,
-                         layout=layout), *_mesh_marks(layout)]) for kind, layout in checkpoint_cells(full)]
+                         layout=layout), *mesh_marks(layout)]) for kind, layout in checkpoint_cells(full)]
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
