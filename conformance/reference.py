@@ -14,12 +14,12 @@ back to the same build, and the cell's record says which reference it used.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import importlib.util
 import json
 import re
-import threading
 
 import numpy as np
 
@@ -208,20 +208,6 @@ def both(references: References, jax: JaxReferences, spec: dict, values: list[di
     thread while the torch one computes (two processes; the ranks are idle meanwhile)."""
     if values is None:
         return references.lookup(spec), JaxReference(None, "not run: the ranks gave no evidence")
-    box: dict = {}
-
-    def run_jax():
-        try:
-            box["jax"] = jax.get(spec, values)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread below
-            box["error"] = exc
-
-    thread = threading.Thread(target=run_jax, name="kdc-jax-reference", daemon=True)
-    thread.start()
-    try:
-        torch_reference = references.lookup(spec)
-    finally:
-        thread.join()
-    if "error" in box:
-        raise box["error"]
-    return torch_reference, box["jax"]
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kdc-jax-reference") as executor:
+        jax_reference = executor.submit(jax.get, spec, values)
+        return references.lookup(spec), jax_reference.result()
