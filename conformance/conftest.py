@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 
 import pytest
 
@@ -36,21 +37,30 @@ def jax_devices(nproc: int) -> int:
     return max(sizes)
 
 
+#: pytest's cache folder (``.pytest_cache``) that keeps the JAX reference's XLA executables between
+#: sessions (``PoolManager.jax_reference``); ``--cache-clear`` empties it.
+JAX_CACHE = "keras-dtensor-conformance-jax-xla"
+
+
 @pytest.fixture(scope="session")
-def jax_references(conformance_state, keras_ranks) -> JaxReferences:
+def jax_references(conformance_state, keras_ranks, pytestconfig) -> Iterator[JaxReferences]:
     """The JAX references of training cells (``conformance/reference.py``); without JAX installed,
     one that runs nothing and says why (the report header says it once)."""
-    if not jax_installed():
-        return JaxReferences(None, keras_ranks.nproc)
-    pool = conformance_state.manager.jax_reference(jax_devices(keras_ranks.nproc))
-    # Started here, so no cell's duration includes it, and side by side with the torch reference.
-    thread = threading.Thread(target=pool.start, name="kdc-jax-start", daemon=True)
-    thread.start()
-    try:
-        conformance_state.manager.reference().start()
-    finally:
-        thread.join()
-    return JaxReferences(pool, keras_ranks.nproc)
+    pool = None
+    if jax_installed():
+        # Without pytest's cacheprovider (-p no:cacheprovider), the session's own folder.
+        cache = pytestconfig.cache.mkdir(JAX_CACHE) if getattr(pytestconfig, "cache", None) is not None else None
+        pool = conformance_state.manager.jax_reference(jax_devices(keras_ranks.nproc), cache and str(cache))
+        # Started here, so no cell's duration includes it, and side by side with the torch reference.
+        thread = threading.Thread(target=pool.start, name="kdc-jax-start", daemon=True)
+        thread.start()
+        try:
+            conformance_state.manager.reference().start()
+        finally:
+            thread.join()
+    references = JaxReferences(pool, keras_ranks.nproc)
+    yield references
+    references.close()
 
 
 @pytest.fixture

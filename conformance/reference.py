@@ -164,13 +164,48 @@ class JaxReferences:
     def __init__(self, pool, nproc: int):
         self.pool = pool  # None: JAX is not installed
         self.nproc = nproc
+        # Touched by the executor's one thread only, which alone calls the pool.
         self._numbers: dict[str, JaxReference] = {}
         self._layouts: dict[str, JaxReference] = {}
+        #: Per model built, the initial weights the ranks of its last cell reported (the caller's thread).
+        self._last_initial: dict[str, dict] = {}
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kdc-jax-reference")
+        self._ahead: list[concurrent.futures.Future] = []
+
+    def prefetch(self, spec: dict) -> None:
+        """Start ``spec``'s JAX reference before its ranks run, while they run, from the initial
+        weights the ranks of the last cell of the same model started from: every cell of a model
+        starts from the same seed, so this is the reference the cell will ask for (the numbers'
+        key holds the weights' hash: when the ranks report other weights, ``submit`` computes
+        theirs, and the early run only cost its time). The JAX process would otherwise wait for
+        the ranks, and the ranks for it."""
+        initial = self._last_initial.get(rank_train.model_name(spec))
+        if self.pool is not None and initial is not None:
+            self._ahead.append(self._executor.submit(self._get, spec, initial))
+
+    def submit(self, spec: dict, values: list[dict]) -> concurrent.futures.Future:
+        """``spec``'s JaxReference, from the ranks' initial weights, computed in the executor's thread."""
+        initial = values[0]["initial_weights"]
+        self._last_initial[rank_train.model_name(spec)] = initial
+        return self._executor.submit(self._get, spec, initial)
+
+    def result(self, pending: concurrent.futures.Future) -> JaxReference:
+        """What ``submit`` returned, once computed; an early run's exception is raised here too."""
+        reference = pending.result()
+        ahead, self._ahead = self._ahead, []
+        for early in ahead:  # done: the executor ran them before ``pending``
+            early.result()
+        return reference
 
     def get(self, spec: dict, values: list[dict]) -> JaxReference:
+        return self.result(self.submit(spec, values))
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def _get(self, spec: dict, initial: dict) -> JaxReference:
         if self.pool is None:
             return JaxReference(None, f"not run: {NO_JAX}")
-        initial = values[0]["initial_weights"]
         numbers_key, layouts_key = jax_key(spec, initial, None), jax_key(spec, initial, self.nproc)
         if numbers_key not in self._numbers:
             numbers = self._numbers[numbers_key] = self._run(spec, initial, True)
@@ -204,10 +239,9 @@ class JaxReferences:
 
 
 def both(references: References, jax: JaxReferences, spec: dict, values: list[dict] | None):
-    """(the single-process torch Reference, the JaxReference) of a cell: the JAX one computed in a
-    thread while the torch one computes (two processes; the ranks are idle meanwhile)."""
+    """(the single-process torch Reference, the JaxReference) of a cell: the JAX one computed in
+    the JAX references' thread while the torch one computes (two processes)."""
     if values is None:
         return references.lookup(spec), JaxReference(None, "not run: the ranks gave no evidence")
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kdc-jax-reference") as executor:
-        jax_reference = executor.submit(jax.get, spec, values)
-        return references.lookup(spec), jax_reference.result()
+    pending = jax.submit(spec, values)
+    return references.lookup(spec), jax.result(pending)

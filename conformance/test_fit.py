@@ -18,7 +18,7 @@ from conformance.judge.communication import figures
 from conformance.ranks import train as rank_train
 
 
-def test_fit(training_cell, keras_ranks, references_for, request):
+def test_fit(training_cell, keras_ranks, references_for, jax_references, request):
     model, optimizer, data, compile_mode, layout = training_cell
     package = axes.DATA_SOURCES[data]
     if package and importlib.util.find_spec(package) is None:
@@ -27,6 +27,7 @@ def test_fit(training_cell, keras_ranks, references_for, request):
     # The cell as data: the report keeps it, a reproducer carries it. On the item, as the axes are
     # (the record-property fixture would warn under junitxml's default xunit2 family).
     request.node.user_properties.append(("spec", spec))
+    jax_references.prefetch(spec)  # the JAX process computes while the ranks do
     result = keras_ranks.run(rank_train.train, spec)
     skip_if_not_in_build(result)
     record_communication(result, request)

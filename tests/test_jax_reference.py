@@ -1,8 +1,11 @@
 """The JAX reference's judge, on plain data: the layout translation (JAX PartitionSpec -> torch
 placements), the sharding and slot checks fed JAX's layouts, the numbers against JAX with their
-own message after single-process torch's, and the reference's cache key."""
+own message after single-process torch's, and the reference's cache key; and, in a JAX process,
+the compilation cache that spares it compiling a program twice."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import numpy as np
 import pytest
@@ -189,6 +192,47 @@ def test_one_fitted_jax_run_serves_every_layout_and_each_other_layout_only_build
     assert "layouts built" in other.note and again.evidence == other.evidence
 
 
+def test_a_cell_of_a_model_seen_before_gets_its_jax_reference_started_before_its_ranks_report():
+    from conformance.reference import JaxReferences
+
+    pool = FakeJaxPool()
+    references = JaxReferences(pool, 2)
+    seen = [{"initial_weights": {KERNEL: np.zeros((8, 16), "float32")}}]
+    references.prefetch(SPEC)  # the model's first cell: no weights to start from
+    assert pool.runs == []
+    references.get(SPEC, seen)
+    adam = axes.cell_spec("mlp", "adam", "arrays", "nojit", "colshard")
+    references.prefetch(adam)
+    references._executor.submit(lambda: None).result()  # the early run is done
+    assert pool.runs == [("colshard", True), ("colshard", True)]
+    early = references.get(adam, seen)  # the ranks started from those weights: nothing more runs
+    assert pool.runs == [("colshard", True), ("colshard", True)] and early.evidence is not None
+    rmsprop = axes.cell_spec("mlp", "rmsprop", "arrays", "nojit", "colshard")
+    references.prefetch(rmsprop)
+    other = [{"initial_weights": {KERNEL: np.ones((8, 16), "float32")}}]
+    references.get(rmsprop, other)  # other weights than expected: the ranks' own are run
+    assert pool.runs[2:] == [("colshard", True), ("colshard", True)]
+    references.close()
+
+
+def test_an_early_jax_run_that_raises_is_raised_with_the_next_reference():
+    from conformance.reference import JaxReferences
+
+    class Broken(FakeJaxPool):
+        def run(self, fn, spec, *args):
+            if spec["optimizer_name"] == "adam":
+                raise RuntimeError("the JAX pool could not start")
+            return super().run(fn, spec, *args)
+
+    references = JaxReferences(Broken(), 2)
+    seen = [{"initial_weights": {KERNEL: np.zeros((8, 16), "float32")}}]
+    references.get(SPEC, seen)
+    references.prefetch(axes.cell_spec("mlp", "adam", "arrays", "nojit", "colshard"))
+    with pytest.raises(RuntimeError, match="could not start"):
+        references.get(axes.cell_spec("mlp", "adagrad", "arrays", "nojit", "rowshard"), seen)
+    references.close()
+
+
 def test_without_jax_installed_a_cell_says_why_no_jax_reference_ran():
     from conformance.reference import NO_JAX, JaxReferences
 
@@ -226,3 +270,37 @@ def test_slots_jax_cannot_attribute_leave_the_counts_to_the_table():
     layout = axes.LAYOUTS["colshard"]
     assert jax_compare.slot_counts(jax, layout, 2)({"path": KERNEL, "shape": (8, 16)}) == {"full": 0, "factored": 0}
     assert jax_compare.slot_counts(dict(jax, unattributed_slots=["adam/momentum_3"]), layout, 2) is None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="JAX is not installed")
+def test_the_jax_reference_loads_the_programs_it_compiled_before_from_the_compilation_cache(references, tmp_path):
+    """Evaluate and predict are the same programs for every optimizer of a model and layout, so a
+    second fitted run compiles only its train step; a later session compiles nothing and computes
+    the same numbers, since a cached executable is the one XLA compiled."""
+    from keras_dtensor_conformance.controller.launch import LaunchConfig
+    from keras_dtensor_conformance.controller.pools import PoolManager
+
+    from conformance.ranks import jax_reference as rank_jax
+
+    sgd, adam = (axes.cell_spec("mlp", name, "arrays", "nojit", "colshard") for name in ("sgd", "adam"))
+    initial = references.get(sgd).values[0]["initial_weights"]
+    cache = str(tmp_path / "xla")
+
+    def session(*specs):
+        manager = PoolManager(LaunchConfig(None, str(tmp_path)), timeout=120)  # its own short folder: AF_UNIX paths
+        try:
+            pool = manager.jax_reference(2, cache)
+            results = [pool.run(rank_jax.train, spec, initial, 2, True, True) for spec in specs]
+        finally:
+            manager.close_all()
+        assert all(r.ok for r in results), [r.story() for r in results]
+        return [r.values[0] for r in results]
+
+    first_sgd, first_adam = session(sgd, adam)
+    assert first_sgd["xla_cache"]["misses"] >= 3  # train, evaluate and predict steps: all new
+    assert first_adam["xla_cache"]["hits"] >= 2  # evaluate and predict: SGD's programs
+    assert first_adam["xla_cache"]["misses"] >= 1  # Adam's train step
+    (later_sgd,) = session(sgd)
+    assert later_sgd["xla_cache"] == {"hits": first_sgd["xla_cache"]["misses"], "misses": 0}
+    assert later_sgd["step_losses"] == first_sgd["step_losses"]
+    np.testing.assert_array_equal(later_sgd["predict"], first_sgd["predict"])

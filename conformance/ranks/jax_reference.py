@@ -21,6 +21,24 @@ import numpy as np
 
 from conformance.ranks import train as rank_train
 
+#: The persistent compilation cache's events (``jax.monitoring``) this process saw: ``hits`` (an XLA
+#: executable loaded instead of compiled) and ``misses`` (compiled, then written to the cache).
+XLA_CACHE: dict[str, int] = {}
+_CACHE_EVENTS = {"/jax/compilation_cache/cache_hits": "hits", "/jax/compilation_cache/cache_misses": "misses"}
+
+
+def _count_cache_events() -> None:
+    import jax
+
+    if not XLA_CACHE:
+        XLA_CACHE.update(hits=0, misses=0)
+
+        def listener(event, **_):
+            if event in _CACHE_EVENTS:
+                XLA_CACHE[_CACHE_EVENTS[event]] += 1
+
+        jax.monitoring.register_event_listener(listener)
+
 
 class NotComparable(Exception):
     """The JAX backend's model is not the ranks' (other variable paths): no reference for the cell."""
@@ -55,6 +73,8 @@ def train(spec: dict, initial_weights: dict, nproc: int, jit: bool = False, fit:
 
     if keras.backend.backend() != "jax":
         raise RuntimeError(f"the JAX reference runs Keras' {keras.backend.backend()!r} backend, not jax")
+    _count_cache_events()
+    cache_before = dict(XLA_CACHE)
     layout = spec["layout"]
     if layout["kind"] != "single":
         devices = [f"cpu:{d.id}" for d in jax.devices("cpu")[:nproc]]
@@ -62,7 +82,7 @@ def train(spec: dict, initial_weights: dict, nproc: int, jit: bool = False, fit:
             raise RuntimeError(f"{len(devices)} virtual CPU devices, the layout needs {nproc} "
                                "(XLA_FLAGS=--xla_force_host_platform_device_count)")
         keras.distribution.set_distribution(rank_train.make_distribution(layout, nproc, devices))
-    model_name = "twoinput" if spec["data"] == "dict" else spec["model"]
+    model_name = rank_train.model_name(spec)
     model = rank_train.build_model(model_name)
     paths = [v.path for v in model.weights]
     if sorted(paths) != sorted(initial_weights):
@@ -98,6 +118,8 @@ def train(spec: dict, initial_weights: dict, nproc: int, jit: bool = False, fit:
         "evaluate": float(evaluation if np.isscalar(evaluation) else evaluation[0]),
         "predict": np.asarray(prediction),
         "weights": {v.path: np.asarray(v.value) for v in model.weights},
+        # The XLA programs this fit, evaluate and predict compiled, and those loaded from the cache.
+        "xla_cache": {k: XLA_CACHE[k] - cache_before[k] for k in XLA_CACHE},
         **found,
     }
 

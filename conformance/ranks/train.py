@@ -163,6 +163,11 @@ def fit_inputs(source: str, x, y, w, batch: int = BATCH) -> tuple[tuple, dict]:
 
 
 # ---------------------------------------------------------------- models and optimizers
+def model_name(spec: dict) -> str:
+    """The model a cell builds: its ``model``, or the two-input MLP its dict inputs need."""
+    return "twoinput" if spec["data"] == "dict" else spec["model"]
+
+
 def build_model(name: str):
     import keras
 
@@ -546,8 +551,8 @@ def train(spec: dict, distributed: bool = True) -> dict:
     if distributed and spec["layout"]["kind"] != "single":
         keras.distribution.set_distribution(make_distribution(spec["layout"]))
     keras.utils.set_random_seed(0)
-    model_name = "twoinput" if spec["data"] == "dict" else spec["model"]
-    model = build_model(model_name)
+    name = model_name(spec)
+    model = build_model(name)
     # Before fit, as numpy by path: the NumPy oracle (conformance/oracle.py) starts from them.
     initial_weights = {v.path: np.asarray(w) for v, w in zip(model.weights, model.get_weights(), strict=True)}
     compile_kwargs = {"run_eagerly": compile_mode == "eager",
@@ -556,7 +561,7 @@ def train(spec: dict, distributed: bool = True) -> dict:
     model.compile(optimizer=build_optimizer(spec["optimizer"]), loss="mse", **compile_kwargs)
     part = _batch_part_here(spec["layout"], distributed)
     rows, local_batch = local_rows(*part), BATCH // part[1]
-    x, y, w = (local_part(a, rows) for a in make_arrays(model_name))
+    x, y, w = (local_part(a, rows) for a in make_arrays(name))
     args, kwargs = fit_inputs(spec["data"], x, y, w, local_batch)
 
     step_losses: list[float] = []
