@@ -201,7 +201,8 @@ class JaxReferences:
         return self.result(self.submit(spec, values))
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        """Cancel what has not started; a run in flight ends when the session closes its pool."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
     def _get(self, spec: dict, initial: dict) -> JaxReference:
         if self.pool is None:
