@@ -72,9 +72,53 @@ def test_grid_counts_and_files(inner):
     assert "### fit colshard" in md and "adam" in md and "| `test_fit[dataloader-adam]` | mixed-tensor |" in md
 
     junit = ET.parse(inner.pytester.path / "j.xml")
-    case = next(c for c in junit.iter("testcase") if c.get("name") == "test_fit[dataloader-adam]")
-    props = {p.get("name"): p.get("value") for p in case.iter("property")}
-    assert props == {"optimizer": "adam", "data": "dataloader", "verdict": "mixed-tensor"}
+    assert_valid_xunit2(junit)
+    suite = junit.getroot().find("testsuite")
+    props = {p.get("name"): p.get("value") for p in suite.find("properties")}
+    cell = {k.split(" ", 1)[1]: v for k, v in props.items() if k.startswith("test_cells.py::test_fit[dataloader-adam] ")}
+    assert cell == {"family": "fit colshard", "row": "adam", "column": "dataloader/nojit", "optimizer": "adam",
+                    "data": "dataloader", "verdict": "mixed-tensor", "outcome": "failed"}, props
+
+
+#: junit-10.xsd (the xunit2 family pytest writes by default): what a <testcase> may hold.
+XUNIT2_TESTCASE_CHILDREN = {"skipped", "error", "failure", "system-out", "system-err"}
+
+
+def assert_valid_xunit2(junit: ET.ElementTree) -> None:
+    """The rules of junit-10.xsd a cell's properties could break: a <testcase> holds only its
+    outcome and output, <properties> sit under <testsuite> only, each <property> has a name and a value."""
+    root = junit.getroot()
+    assert root.tag == "testsuites" and [c.tag for c in root] == ["testsuite"]
+    for case in root.iter("testcase"):
+        assert {c.tag for c in case} <= XUNIT2_TESTCASE_CHILDREN, (case.get("name"), [c.tag for c in case])
+    for properties in root.iter("properties"):
+        assert properties in list(root.find("testsuite"))
+        assert all(p.tag == "property" and set(p.keys()) == {"name", "value"} for p in properties)
+
+
+def test_junit_properties_follow_the_family():
+    """xunit1 and legacy allow <properties> in a <testcase>: the cell's go there; xunit2 does not:
+    they go to the suite, named by the cell's node id."""
+    import types
+
+    from keras_dtensor_conformance.report import recorder
+    from keras_dtensor_conformance.report.recorder import CellRecord, junit_properties
+
+    record = CellRecord("t[a]", "m.py::t[a]", "fit colshard", "adam", "arrays", {"optimizer": "adam"},
+                        verdict="pass", outcome="passed", spec={"model": "mlp"})
+    expected = [("family", "fit colshard"), ("row", "adam"), ("column", "arrays"), ("optimizer", "adam"),
+                ("verdict", "pass"), ("outcome", "passed")]
+    assert recorder.cell_properties(record) == expected  # no nested data: the spec is the JSON's
+    for family in ("xunit1", "xunit2"):
+        suite = []
+        xml = types.SimpleNamespace(family=family, add_global_property=lambda k, v: suite.append((k, v)))
+        config = types.SimpleNamespace(stash={__import__("_pytest.junitxml").junitxml.xml_key: xml})
+        report = types.SimpleNamespace(user_properties=[("spec", {"model": "mlp"})])
+        junit_properties(config, record, report)
+        if family == "xunit1":
+            assert (report.user_properties, suite) == (expected, [])
+        else:
+            assert (report.user_properties, suite) == ([], [(f"m.py::t[a] {k}", v) for k, v in expected])
 
 
 def test_quiet_keeps_the_causes_and_counts_not_the_grids(inner):
