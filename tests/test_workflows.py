@@ -102,4 +102,152 @@ def test_the_floor_gates_and_the_newest_torch_reports():
     report_only = jobs["conformance-report-only"]["strategy"]["matrix"]["torch"]
     assert "" in report_only and all(v == "" or unsupported_torch(v) is None for v in report_only)
     reusable = (ROOT / ".github" / "workflows" / "keras-conformance.yml").read_text()
-    assert 'if [ -n "$TORCH_VERSION" ]; then torch="torch==$TORCH_VERSION"; else torch="torch"; fi' in reusable
+    assert 'torch="torch${TORCH_VERSION:+==$TORCH_VERSION}"' in reusable
+
+
+# -- every leg installs, callers can call, the shell steps lint clean --------------------------
+
+
+@pytest.fixture(scope="module")
+def resolved():
+    """pip's verdict on every distinct install of every leg (ci.yml and conformance.yml, whose
+    legs are the reusable workflow's install step), resolved side by side: pip waits on the index."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.workflows import every_leg, resolve
+
+    legs = {leg.key(): leg for leg in every_leg()}
+    with ThreadPoolExecutor(4) as pool:
+        problems = dict(zip(legs, pool.map(resolve, legs.values())))
+    return legs, problems
+
+
+def test_every_leg_of_every_workflow_installs_on_its_python(resolved):
+    """Issue 26: a leg whose Python its requirements do not support (keras-nightly, jax 0.10.2 and
+    numpy 2.4 need 3.11) fails on GitHub at its install step; here pip's resolver says so first."""
+    legs, problems = resolved
+    pythons = {leg.python for leg in legs.values()}
+    assert {"3.11", "3.12", "3.13"} <= pythons, pythons
+    failing = {legs[k].name: p for k, p in problems.items() if p is not None}
+    assert failing == {}
+
+
+def test_a_leg_that_cannot_install_fails_the_check():
+    """The check above, on a conformance.yml with a Python 3.10 leg put back (as it gated before
+    issue 26): that leg, and only that one, is named."""
+    from tests.workflows import WORKFLOWS, caller_legs, resolve
+
+    text = (WORKFLOWS / "conformance.yml").read_text()
+    assert 'python-version: ["3.11", "3.12", "3.13"]' in text
+    legs = caller_legs("conformance.yml", text.replace('python-version: ["3.11"', 'python-version: ["3.10", "3.11"'))
+    new = [leg for leg in legs if leg.python == "3.10" and "keras-nightly" in " ".join(leg.downloads)]
+    assert len(new) == 1
+    problem = resolve(new[0])
+    assert problem is not None and "keras-nightly==3.16.0.dev2026102704" in problem, problem
+
+
+def test_requires_python_is_what_the_legs_install():
+    import tomllib
+
+    from packaging.specifiers import SpecifierSet
+
+    from tests.workflows import every_leg
+
+    declared = SpecifierSet(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"])
+    assert not declared.contains("3.10") and all(declared.contains(leg.python) for leg in every_leg())
+    assert "Python ≥ 3.11" in (ROOT / "README.md").read_text()
+
+
+def readme_caller() -> dict:
+    from tests.workflows import load, readme_caller_text
+
+    return load(readme_caller_text())
+
+
+def test_readme_caller_is_a_whole_workflow_keras_could_paste(tmp_path):
+    caller = readme_caller()
+    assert {"name", "on", "permissions", "jobs"} <= set(caller), sorted(caller)
+    assert caller["permissions"] == {"contents": "read"}  # what Keras' workflows grant
+    from tests.workflows import readme_caller_text
+
+    path = tmp_path / "dtensor-conformance.yml"
+    path.write_text(readme_caller_text())
+    result = subprocess.run([tool("check-jsonschema"), "--builtin-schema", "vendor.github-workflows", str(path)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lint = actionlint(str(path))
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+
+
+@pytest.mark.parametrize("caller", ["README", "conformance.yml"])
+def test_a_contents_read_caller_can_call_the_workflows(caller):
+    """GitHub refuses a called workflow whose jobs ask for more than the caller's token has, before
+    any job runs: README's caller and the project's own matrix grant what each call needs."""
+    from tests.workflows import caller_problems, workflow
+
+    data = readme_caller() if caller == "README" else workflow(caller)
+    assert caller_problems(data) == []
+
+
+def test_the_reusable_workflow_asks_for_contents_read_only():
+    from tests.workflows import REUSABLE, permission_problems, permissions, workflow
+
+    assert permission_problems(permissions({"contents": "read"}), workflow(REUSABLE)) == []
+
+
+def test_the_permission_check_names_a_job_that_asks_for_more():
+    from tests.workflows import permission_problems, permissions, workflow
+
+    previous = workflow("keras-conformance-previous.yml")
+    assert permission_problems(permissions({"contents": "read"}), previous) == [
+        "the nested job 'previous' is requesting 'actions: read', but is only allowed 'actions: none'"]
+    assert permission_problems(permissions({"actions": "read"}), previous) == []
+    assert permission_problems(permissions("read-all"), previous) == []
+
+
+def test_the_reusable_workflow_takes_what_keras_needs_to_call_it():
+    """Keras runs its CPU tests in a python:3.11-slim container on its own runner label, with
+    torch from PyTorch's CPU index (its requirements.txt)."""
+    from tests.workflows import reusable_defaults
+
+    defaults = reusable_defaults()
+    assert {"runs-on", "container", "torch-index-url", "pytest-args", "artifact-name", "previous-reports"} <= set(defaults)
+    assert defaults["torch-index-url"] == "https://download.pytorch.org/whl/cpu"
+    assert defaults["container"] == "" and defaults["previous-reports"] == ""
+
+
+def test_actions_are_current_majors_pinned_by_sha():
+    pinned = {}
+    for workflow in WORKFLOWS:
+        for uses, comment in re.findall(r"uses: (actions/[\w-]+@\S+)(?: # (\S+))?", workflow.read_text()):
+            action, ref = uses.split("@")
+            assert re.fullmatch(r"[0-9a-f]{40}", ref) and comment, f"{workflow.name}: {uses} is not pinned by SHA"
+            pinned.setdefault(action, set()).add((ref, comment))
+    assert {a: len(v) for a, v in pinned.items()} == dict.fromkeys(pinned, 1), pinned  # one version each
+    majors = {a: int(next(iter(v))[1].lstrip("v").split(".")[0]) for a, v in pinned.items()}
+    # node24 releases: what GitHub's runners keep after node20's retirement
+    assert majors == {"actions/checkout": 7, "actions/setup-python": 7, "actions/upload-artifact": 7,
+                      "actions/download-artifact": 8}, majors
+
+
+def actionlint(*paths: str) -> subprocess.CompletedProcess:
+    """actionlint, with shellcheck (the test extra's) on its PATH so run: steps are checked too."""
+    bindir = os.path.dirname(tool("shellcheck"))
+    env = {**os.environ, "PATH": os.pathsep.join([bindir, os.environ.get("PATH", "")])}
+    return subprocess.run([tool("actionlint"), "-no-color", *paths], capture_output=True, text=True, env=env, cwd=ROOT)
+
+
+def test_actionlint_finds_nothing():
+    result = actionlint(*map(str, WORKFLOWS))
+    assert result.returncode == 0 and result.stdout == "", result.stdout + result.stderr
+
+
+def test_actionlint_checks_expressions_and_shell(tmp_path):
+    """The check above can fail: an unknown input in an expression and an unquoted variable in a
+    run: step (shellcheck's SC2086) are both reported."""
+    bad = tmp_path / "bad.yml"
+    bad.write_text("on:\n  workflow_call:\n    inputs:\n      a:\n        type: string\n"
+                   "jobs:\n  j:\n    runs-on: ubuntu-latest\n    steps:\n"
+                   "      - run: echo ${{ inputs.b }}\n      - run: echo $SOME_PATH\n")
+    out = actionlint(str(bad)).stdout
+    assert "inputs.b" in out and "SC2086" in out, out
