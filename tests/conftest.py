@@ -6,6 +6,7 @@ cached in pytest's cache folder, so the tests exercise --keras-path exactly as a
 
 from __future__ import annotations
 
+import compileall
 import os
 import subprocess
 import sys
@@ -41,6 +42,11 @@ def unpacked_wheel(config: pytest.Config, requirement: str) -> str:
         (wheel,) = wheels.glob("*.whl")
         with zipfile.ZipFile(wheel) as zf:
             zf.extractall(tree)
+    # Its bytecode, once, as pip writes an installed package's: every inner session's ranks and
+    # references (and every mutant, tests/mutants.py) import this tree, and where
+    # PYTHONDONTWRITEBYTECODE is set (this project's machines and CI) each process would compile all
+    # of Keras again. Files already compiled are only checked.
+    compileall.compile_dir(str(tree), quiet=2, workers=0)
     return str(tree)
 
 

@@ -10,6 +10,7 @@ milliseconds.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
 import shutil
 
@@ -29,12 +30,16 @@ class Mutant:
 
 
 def write_mutant(source_tree: str, dest: str, mutant: Mutant) -> str:
-    """Copy ``source_tree`` to ``dest`` (hard links) and apply the mutant's patches there."""
+    """Copy ``source_tree`` to ``dest`` (hard links, its bytecode too) and apply the mutant's
+    patches there; a patched module's bytecode is removed, so it compiles from the patch."""
     if os.path.exists(dest):
         shutil.rmtree(dest)
-    shutil.copytree(source_tree, dest, copy_function=os.link, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(source_tree, dest, copy_function=os.link)
     for patch in mutant.patches:
         target = os.path.join(dest, patch.path)
+        folder, module = os.path.split(target)
+        for compiled in glob.glob(os.path.join(folder, "__pycache__", os.path.splitext(module)[0] + ".*.pyc")):
+            os.unlink(compiled)
         with open(target, encoding="utf-8") as f:
             text = f.read()
         count = text.count(patch.old)

@@ -69,3 +69,30 @@ def mutation_score() -> str | None:
     if not CAUGHT:
         return None
     return f"mutation score: {sum(CAUGHT.values())}/{len(CAUGHT)} mutants caught with the right verdict"
+
+
+def test_a_mutant_tree_runs_its_patch_not_the_source_trees_bytecode(tmp_path):
+    """write_mutant hard-links the source tree's bytecode (so no process compiles all of Keras
+    again) and drops the patched module's, whose stale bytecode would otherwise run the original:
+    with PYTHONDONTWRITEBYTECODE set, nothing rewrites it."""
+    import compileall
+
+    source = tmp_path / "source"
+    (source / "pkg").mkdir(parents=True)
+    (source / "pkg" / "__init__.py").write_text("")
+    (source / "pkg" / "mod.py").write_text("VALUE = 'original'\n")
+    (source / "pkg" / "other.py").write_text("VALUE = 'untouched'\n")
+    compileall.compile_dir(str(source), quiet=2)
+    mutant = mutants.Mutant(name="m", imitates="a test",
+                            patches=(mutants.Patch("pkg/mod.py", "'original'", "'patched!'"),))
+    dest = mutants.write_mutant(str(source), str(tmp_path / "dest"), mutant)
+    # The same size and mtime as the source: a stale .pyc would pass Python's own check and run.
+    stat = os.stat(source / "pkg" / "mod.py")
+    os.utime(os.path.join(dest, "pkg", "mod.py"), ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert os.path.exists(os.path.join(dest, "pkg", "__pycache__")) and not any(
+        name.startswith("mod.") for name in os.listdir(os.path.join(dest, "pkg", "__pycache__")))
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": dest}
+    out = subprocess.run([sys.executable, "-c", "import pkg.mod, pkg.other; print(pkg.mod.VALUE, pkg.other.VALUE)"],
+                         env=env, capture_output=True, text=True, cwd=tmp_path).stdout.split()
+    assert out == ["patched!", "untouched"]
+    assert open(source / "pkg" / "mod.py").read() == "VALUE = 'original'\n"  # the hard link was broken
