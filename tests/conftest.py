@@ -141,3 +141,58 @@ def pytest_terminal_summary(terminalreporter):
     score = mutation_score()
     if score:
         terminalreporter.write_sep("=", score)
+
+
+#: Work that waits on the package index more than it computes (pip's resolver for every workflow
+#: leg, a virtual environment's install), by the fixture that gives it: started in a thread as soon
+#: as the tests are collected, so it overlaps the tests that keep the CPU busy. name -> (module,
+#: function, cleanup or None).
+EARLY_WORK = {
+    "resolved": ("tests.workflows", "resolve_every_leg", None),
+    "newest_python_env": ("tests.test_newest_python", "build_env", "remove_env"),
+}
+EARLY = pytest.StashKey[dict]()
+
+
+def _early_function(name: str, attribute: int):
+    import importlib
+
+    module, *names = EARLY_WORK[name]
+    return None if names[attribute] is None else getattr(importlib.import_module(module), names[attribute])
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    wanted = [name for name in EARLY_WORK
+              if any(name in getattr(item, "fixturenames", ()) for item in session.items)]
+    if not wanted:
+        return
+    pool = ThreadPoolExecutor(len(wanted), thread_name_prefix="early")
+    futures = {name: pool.submit(_early_function(name, 0)) for name in wanted}
+    session.config.stash[EARLY] = futures
+    pool.shutdown(wait=False)
+
+    def clean_up():
+        for name, future in futures.items():
+            cleanup = _early_function(name, 1)
+            if cleanup is not None and not future.cancel():
+                try:
+                    cleanup(future.result())
+                except Exception as exc:  # noqa: BLE001 - the work's own failure is its test's to report
+                    print(f"early work {name} left nothing to clean up: {exc!r}")
+
+    session.config.add_cleanup(clean_up)
+
+
+def early(request: pytest.FixtureRequest, name: str):
+    """What EARLY_WORK's ``name`` gave (waiting for it), or, where it was not started (a run that
+    collected no test needing it before this one), the same work done now."""
+    future = request.config.stash.get(EARLY, {}).get(name)
+    if future is not None:
+        return future.result()
+    result = _early_function(name, 0)()
+    cleanup = _early_function(name, 1)
+    if cleanup is not None:
+        request.config.add_cleanup(lambda: cleanup(result))
+    return result

@@ -23,10 +23,52 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CAUGHT: dict[str, bool] = {}
 
 
-def run_suite(keras_path: str, cells, out, rank_timeout: int = 300) -> dict[str, str]:
+#: Mutant sessions run two at a time: one session keeps about 1.4 of the 2 cores busy (its ranks
+#: wait on each other in collectives, its references on the ranks), so a second fills the rest.
+SIDE_BY_SIDE = 2
+
+
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory) -> str:
+    """One pytest cache folder for the mutants' sessions: what they share is the JAX reference's
+    XLA executables (``conformance/conftest.JAX_CACHE``), keyed by the lowered program, so a mutant
+    of JAX-side code compiles its own and the others load what an earlier session compiled."""
+    return str(tmp_path_factory.mktemp("mutant-sessions-cache"))
+
+
+@pytest.fixture(scope="module")
+def mutant_runs(request, keras_nightly_tree, shared_cache, tmp_path_factory):
+    """Every selected mutant's session, started when the first mutant test asks, SIDE_BY_SIDE at a
+    time in the tests' order; each test waits for its own verdicts and judges them. Each lane has
+    its own cache folder (a cache is not written by two sessions at once)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    selected = [item.callspec.params["case"] for item in request.session.items
+                if getattr(item, "originalname", None) == "test_mutant_gets_exactly_its_verdicts"]
+    folders = {case.mutant.name: tmp_path_factory.mktemp(case.mutant.name) for case in selected}
+    caches: dict[str, str] = {}
+
+    def run(case: mutants.Case) -> dict[str, str]:
+        out = folders[case.mutant.name]
+        lane = threading.current_thread().name
+        cache = caches.setdefault(lane, os.path.join(shared_cache, lane))
+        build = mutants.write_mutant(keras_nightly_tree, str(out / case.mutant.name), case.mutant)
+        return run_suite(build, tier(request, case), out, case.rank_timeout, cache_dir=cache)
+
+    pool = ThreadPoolExecutor(SIDE_BY_SIDE, thread_name_prefix="mutant-lane")
+    futures = {case.mutant.name: pool.submit(run, case) for case in selected}
+    yield futures
+    for future in futures.values():
+        future.cancel()
+    pool.shutdown(wait=True)
+
+
+def run_suite(keras_path: str, cells, out, rank_timeout: int = 300, cache_dir: str | None = None) -> dict[str, str]:
     """Run ``cells`` against the build at ``keras_path``; return verdict per cell name."""
     report = str(out / "report.json")
-    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--keras-path", keras_path,
+    cache = ["-o", f"cache_dir={cache_dir}"] if cache_dir else ["-p", "no:cacheprovider"]
+    cmd = [sys.executable, "-m", "pytest", *cache, "-q", f"--keras-path={keras_path}",
            "--rank-timeout", str(rank_timeout), "--conformance-json", report, *cells]
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
@@ -41,17 +83,16 @@ def tier(request, case: mutants.Case):
     return list(case.tier)
 
 
-def test_unmutated_build_passes_the_mutant_tier(keras_nightly_tree, tmp_path):
+def test_unmutated_build_passes_the_mutant_tier(keras_nightly_tree, tmp_path, shared_cache):
     tier = mutants.unmutated_tier()
-    verdicts = run_suite(keras_nightly_tree, tier, tmp_path)
+    verdicts = run_suite(keras_nightly_tree, tier, tmp_path, cache_dir=shared_cache)
     assert len(verdicts) == len(tier)
     assert {c: v for c, v in verdicts.items() if v != "pass"} == mutants.UNMUTATED_FAILS
 
 
 @pytest.mark.parametrize("case", mutants.CASES, ids=[c.mutant.name for c in mutants.CASES])
-def test_mutant_gets_exactly_its_verdicts(case, keras_nightly_tree, tmp_path, request):
-    build = mutants.write_mutant(keras_nightly_tree, str(tmp_path / case.mutant.name), case.mutant)
-    verdicts = run_suite(build, tier(request, case), tmp_path, case.rank_timeout)
+def test_mutant_gets_exactly_its_verdicts(case, mutant_runs, request):
+    verdicts = mutant_runs[case.mutant.name].result()
     if case.expected:  # a correct rewrite (nothing expected to change) is no mutant to catch
         CAUGHT[case.mutant.name] = all(verdicts.get(cell) == v for cell, v in case.expected.items())
     for cell, want in case.expected.items():

@@ -53,35 +53,52 @@ def newest_leg_interpreter() -> tuple[str, str]:
     return usable[-1], have[usable[-1]]
 
 
-@pytest.mark.slow
-def test_the_newest_python_leg_runs_here():
+def build_env() -> dict:
+    """README's set-up in a fresh virtual environment of the newest leg's interpreter: mostly a
+    wait on the package index, so tests/conftest.py starts it as soon as the tests are collected."""
     version, interpreter = newest_leg_interpreter()
     venv = tempfile.mkdtemp(prefix=f"kdc-py{version}-")
-    try:
-        subprocess.run([interpreter, "-m", "venv", venv], check=True, capture_output=True, timeout=300)
-        python = os.path.join(venv, "bin", "python")
-        env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTEST_ADDOPTS")}
-        env["PATH"] = os.pathsep.join([os.path.join(venv, "bin"), env.get("PATH", "")])
-        install = subprocess.run(  # README's set-up, less the test extra this run does not use
-            [python, "-m", "pip", "install", "--quiet", "-c", "constraints-cpu.txt", "-e", ".[default-build,jax]"],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-        assert install.returncode == 0, install.stderr[-3000:]
-        report = pathlib.Path(venv) / "report.json"
-        run = subprocess.run(
-            [python, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--conformance-expect", EXPECTATIONS,
-             "--conformance-json", str(report), *CELLS],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
-        versions = subprocess.run([python, "-c", "import sys, torch, jax, numpy; print(sys.version.split()[0], "
-                                   "torch.__version__, jax.__version__, numpy.__version__)"],
-                                  env=env, capture_output=True, text=True).stdout.strip()
-        print(f"Python {version} ({interpreter}): {versions}; {run.stdout.strip().splitlines()[-1]}")
-        assert run.returncode == 0, run.stdout[-5000:] + run.stderr[-3000:]
-        assert re.match(rf"{re.escape(version)}\.\d+ ", versions), versions
-        cells = json.loads(report.read_text())["cells"]
-        verdicts = {c["id"]: (c["verdict"], c["outcome"]) for c in cells}
-        assert verdicts["test_fit[adam-arrays-nojit-colshard]"] == ("pass", "passed"), verdicts
-        assert verdicts["test_fit[sgd-dataloader-jit-colshard]"] == ("compile-fallback", "xfailed"), verdicts
-        setup = [c for c in cells if c["nodeid"].startswith("conformance/test_setup.py")]
-        assert setup and all(c["outcome"] in ("passed", "xfailed") for c in setup), setup
-    finally:
-        shutil.rmtree(venv, ignore_errors=True)
+    subprocess.run([interpreter, "-m", "venv", venv], check=True, capture_output=True, timeout=300)
+    python = os.path.join(venv, "bin", "python")
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTEST_ADDOPTS")}
+    env["PATH"] = os.pathsep.join([os.path.join(venv, "bin"), env.get("PATH", "")])
+    install = subprocess.run(  # README's set-up, less the test extra this run does not use
+        [python, "-m", "pip", "install", "--quiet", "-c", "constraints-cpu.txt", "-e", ".[default-build,jax]"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    return {"version": version, "interpreter": interpreter, "venv": venv, "python": python, "env": env,
+            "install": install}
+
+
+def remove_env(built: dict) -> None:
+    shutil.rmtree(built["venv"], ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def newest_python_env(request):
+    from tests.conftest import early
+
+    return early(request, "newest_python_env")
+
+
+@pytest.mark.slow
+def test_the_newest_python_leg_runs_here(newest_python_env):
+    built = newest_python_env
+    version, python, env = built["version"], built["python"], built["env"]
+    assert built["install"].returncode == 0, built["install"].stderr[-3000:]
+    report = pathlib.Path(built["venv"]) / "report.json"
+    run = subprocess.run(
+        [python, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--conformance-expect", EXPECTATIONS,
+         "--conformance-json", str(report), *CELLS],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    versions = subprocess.run([python, "-c", "import sys, torch, jax, numpy; print(sys.version.split()[0], "
+                               "torch.__version__, jax.__version__, numpy.__version__)"],
+                              env=env, capture_output=True, text=True).stdout.strip()
+    print(f"Python {version} ({built['interpreter']}): {versions}; {run.stdout.strip().splitlines()[-1]}")
+    assert run.returncode == 0, run.stdout[-5000:] + run.stderr[-3000:]
+    assert re.match(rf"{re.escape(version)}\.\d+ ", versions), versions
+    cells = json.loads(report.read_text())["cells"]
+    verdicts = {c["id"]: (c["verdict"], c["outcome"]) for c in cells}
+    assert verdicts["test_fit[adam-arrays-nojit-colshard]"] == ("pass", "passed"), verdicts
+    assert verdicts["test_fit[sgd-dataloader-jit-colshard]"] == ("compile-fallback", "xfailed"), verdicts
+    setup = [c for c in cells if c["nodeid"].startswith("conformance/test_setup.py")]
+    assert setup and all(c["outcome"] in ("passed", "xfailed") for c in setup), setup

@@ -109,17 +109,12 @@ def test_the_floor_gates_and_the_newest_torch_reports():
 
 
 @pytest.fixture(scope="module")
-def resolved():
-    """pip's verdict on every distinct install of every leg (ci.yml and conformance.yml, whose
-    legs are the reusable workflow's install step), resolved side by side: pip waits on the index."""
-    from concurrent.futures import ThreadPoolExecutor
+def resolved(request):
+    """pip's verdict on every distinct install of every leg (``workflows.resolve_every_leg``),
+    started as soon as the tests are collected (tests/conftest.py)."""
+    from tests.conftest import early
 
-    from tests.workflows import every_leg, resolve
-
-    legs = {leg.key(): leg for leg in every_leg()}
-    with ThreadPoolExecutor(4) as pool:
-        problems = dict(zip(legs, pool.map(resolve, legs.values())))
-    return legs, problems
+    return early(request, "resolved")
 
 
 def test_every_leg_of_every_workflow_installs_on_its_python(resolved):

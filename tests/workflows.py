@@ -239,3 +239,15 @@ def caller_problems(caller: dict) -> list[str]:
                                  "the repository's default token applies, which this check cannot see")
         problems += [f"{job_id}: {p}" for p in permission_problems(granted, called)]
     return problems
+
+
+def resolve_every_leg() -> tuple[dict, dict]:
+    """pip's verdict on every distinct install of every leg (ci.yml, conformance.yml and README's
+    caller, whose legs are the reusable workflow's install step), side by side: pip waits on the
+    index more than it computes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    legs = {leg.key(): leg for leg in every_leg()}
+    with ThreadPoolExecutor(4) as pool:
+        problems = dict(zip(legs, pool.map(resolve, legs.values())))
+    return legs, problems
