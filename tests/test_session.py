@@ -175,11 +175,14 @@ def test_two(dist_ranks):
 
 
 @pytest.mark.parametrize("body, code", [("pass", 0), ("assert False", 1)], ids=["normal-end", "failing-end"])
-def test_session_end_leaves_no_process(inner, body, code):
+def test_session_end_leaves_no_process(inner, body, code, tmp_path, monkeypatch):
+    """Nor a folder of its own in the temporary directory (its ranks' private KERAS_HOME)."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
     inner.pytester.makepyfile(CELLS + f"\ndef test_last(dist_ranks):\n    {body}\n")
     result = inner.run("-k", "torch_cell or last")
     assert result.returncode == code, result.stdout
     assert inner.leftovers() == []
+    assert sorted(p.name for p in tmp_path.glob("kdc-*")) == []
 
 
 def wait_for(predicate, timeout: float, what: str):
