@@ -124,7 +124,11 @@ def test_a_reproducer_shows_the_failure_and_passes_on_the_unmutated_build(keras_
 
     broken = torchrun(script, build, tmp_path)
     said = re.findall(r"^rank (\d): (REPRODUCED|DIFFERENT|trained|the op ran)[^\n]*", broken.stdout, re.M)
-    assert broken.returncode != 0 and ("0", "REPRODUCED") in said, broken.stdout[-3000:] + broken.stderr[-3000:]
+    # Whichever rank raises first ends torchrun's group, which may SIGTERM its peer before that one
+    # prints (seen once in a clean-clone CI run): the reproduction is any rank's, none different.
+    tags = {tag for _, tag in said}
+    assert broken.returncode != 0 and "REPRODUCED" in tags and "DIFFERENT" not in tags, (
+        broken.stdout[-3000:] + broken.stderr[-3000:])
     assert f"REPRODUCED: {verdict}:" in broken.stdout
     assert f"from {build}/keras" in broken.stdout
     assert TEARDOWN not in broken.stdout
