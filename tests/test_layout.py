@@ -71,3 +71,25 @@ def test_the_suite_uses_only_the_plugins_public_names(path):
         if name != PACKAGE and leaf not in keras_dtensor_conformance.__all__:
             bad.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
     assert bad == []
+
+
+def judge_files() -> list[pathlib.Path]:
+    """The judge (evidence -> verdict), the promises, and the cell data both sides share."""
+    return sorted([*(ROOT / "conformance" / "judge").glob("*.py"), ROOT / "conformance" / "promises.py",
+                   ROOT / "conformance" / "cell_data.py"])
+
+
+def test_the_judge_imports_no_rank_code():
+    """The judge reads evidence; what it shares with the rank side (the cell's data, the mesh
+    geometry) lives in ``conformance/cell_data.py``, neither side's module."""
+    assert violations(judge_files(), ("conformance.ranks",)) == []
+
+
+#: The longest a module of the plugin or the suite may get: past it, a module holds more than one role.
+MAX_MODULE_LINES = 450
+
+
+def test_no_module_of_the_plugin_or_the_suite_is_over_450_lines():
+    files = [*(ROOT / "fixtures").rglob("*.py"), *(ROOT / "conformance").rglob("*.py")]
+    long = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert long == {}

@@ -4,7 +4,7 @@ The reference (conformance/reference.py) is Keras itself, single-process: a math
 single-process and the distributed runs share passes it. The oracle is written from Keras'
 documented update rules in float64 NumPy, imports no Keras, and starts from the cell's own
 initial weights (``rank_train.train``'s ``initial_weights``) and the global data
-(``rank_train.make_arrays``, batches of ``rank_train.BATCH`` in order, no shuffle).
+(``cell_data.make_arrays``, batches of ``cell_data.BATCH`` in order, no shuffle).
 
 Core set (``scope``): the MLP of ``rank_train.build_model("mlp")`` (Dense 16 relu, Dense 4),
 MSE loss, data fed as arrays or a DataLoader, any layout and compile mode, and the optimizers
@@ -20,8 +20,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from conformance import axes
-from conformance.ranks import train as rank_train
+from conformance import axes, cell_data
 
 #: The build computes in float32, the oracle in float64: the build's rounding (~6e-8 relative
 #: per operation) accumulates over the forward, backward and update of each of the STEPS steps.
@@ -211,7 +210,7 @@ class Expected:
 
 
 def global_data(model: str = "mlp") -> tuple[np.ndarray, np.ndarray]:
-    x, y, _ = rank_train.make_arrays(model)
+    x, y, _ = cell_data.make_arrays(model)
     return np.asarray(x, dtype="float64"), np.asarray(y, dtype="float64")
 
 
@@ -230,8 +229,8 @@ def expected(spec: dict, initial_weights: dict) -> Expected:
     hp = rule.hyperparameters(spec["optimizer"].get("kwargs", {}))
     slots: dict[str, dict] = {p: {} for p in params}
     losses, sizes = [], []
-    for step in range(rank_train.STEPS):
-        rows = slice(step * rank_train.BATCH, (step + 1) * rank_train.BATCH)
+    for step in range(cell_data.STEPS):
+        rows = slice(step * cell_data.BATCH, (step + 1) * cell_data.BATCH)
         loss, grads = loss_and_grads(params, x[rows], y[rows])
         losses.append(loss)
         sizes.append(len(y[rows]))

@@ -15,27 +15,7 @@ from __future__ import annotations
 
 import re
 
-MESH_AXES = ("batch", "model")
-
-
-def mesh_shape(layout: dict, nproc: int) -> tuple[int, ...]:
-    """The (batch, model) mesh of a layout; "nproc" stands for the number of ranks."""
-    return tuple(nproc if d == "nproc" else d for d in layout.get("mesh", (1, "nproc")))
-
-
-def mesh_coordinate(rank: int, mesh: tuple[int, ...]) -> tuple[int, ...]:
-    """Where ``rank`` sits in ``mesh``: Keras' DeviceMesh reshapes the device list row-major."""
-    coordinate = []
-    for size in reversed(mesh):
-        coordinate.append(rank % size)
-        rank //= size
-    return tuple(reversed(coordinate))
-
-
-def shard_size(n: int, shards: int, index: int) -> int:
-    """Rows of a dimension of ``n`` that shard ``index`` of ``shards`` holds (torch.chunk rule)."""
-    chunk = -(-n // shards)
-    return max(0, min(chunk, n - index * chunk))
+from conformance.cell_data import MESH_AXES, mesh_coordinate, mesh_shape, shard_size
 
 
 def intended(layout: dict, path: str, shape: tuple, nproc: int, rank: int = 0) -> tuple[list[str], tuple] | None:
@@ -56,6 +36,21 @@ def intended(layout: dict, path: str, shape: tuple, nproc: int, rank: int = 0) -
     return None
 
 
+def _map_layout(layout: dict, nproc: int):
+    """``want(var, path, rank)`` from the layout map alone (``intended``)."""
+    def want(var, path, r):
+        return intended(layout, path, tuple(var["shape"]), nproc, r)
+
+    return want
+
+
+def laid_out(layout: dict, variables: list[dict], nproc: int, want=None) -> list[str]:
+    """The paths of ``variables`` (slots: of their variable) that have an intended layout, by the
+    map or by ``want``: what ``sharding_problems`` can hold to one (none: it cannot fail)."""
+    want = want or _map_layout(layout, nproc)
+    return [var["path"] for var in variables if want(var, var.get("reference", var["path"]), 0) is not None]
+
+
 def sharding_problems(layout: dict, variables: list[dict], nproc: int, what: str = "",
                       rank: int | None = None, want=None) -> list[str]:
     """What differs from the intended layout, one line per variable (empty: all as asked).
@@ -66,10 +61,7 @@ def sharding_problems(layout: dict, variables: list[dict], nproc: int, what: str
     ``want(var, path, rank)``: the intended layout from elsewhere (the JAX reference's, see
     ``jax_compare.expected_layouts``) instead of the layout map's.
     """
-    if want is None:
-        def want(var, path, r):
-            return intended(layout, path, tuple(var["shape"]), nproc, r)
-
+    want = want or _map_layout(layout, nproc)
     problems = []
     ranks = range(nproc) if rank is None else [rank]
     for var in variables:

@@ -7,19 +7,21 @@ eager, in a clean process of its own) so the two sides differ only in the distri
 
 from __future__ import annotations
 
-import contextlib
 import re
 import warnings
 
 import numpy as np
 from keras_dtensor_conformance import rank_context
 
-STEPS = 4
-#: The global batch. Divisible by every batch-shard count a cell can have (1, 2, 3, 4 and 8
-#: processes on the batch axis), so every process feeds a local part of the same size.
-BATCH = 24
-SAMPLES = STEPS * BATCH
-VOCAB = 20
+from conformance.cell_data import BATCH, SAMPLES, STEPS, VOCAB, batch_part, local_part, local_rows, make_arrays
+from conformance.ranks.feeding import fit_inputs
+from conformance.ranks.step_communication import measure_step_communication
+
+#: Read from here by the other rank modules and the tests (``rank_train.BATCH``): the cell's data
+#: (``conformance.cell_data``), its feeding and the step's communication, besides ``train``.
+__all__ = ["BATCH", "SAMPLES", "STEPS", "VOCAB", "batch_part", "build_model", "build_optimizer", "describe_variable",
+           "fit_inputs", "local_part", "local_rows", "make_arrays", "make_distribution", "measure_step_communication",
+           "model_name", "train"]
 
 
 def _device_type(variable) -> str:
@@ -40,126 +42,6 @@ def describe_variable(variable) -> dict:
         info["placements"] = [str(p) for p in data.placements]
         info["local_shape"] = tuple(data.to_local().shape)
     return info
-
-
-# ---------------------------------------------------------------- data (each rank its local part)
-def make_arrays(model: str, seed: int = 0) -> tuple[dict | np.ndarray, np.ndarray, np.ndarray]:
-    """(x, y, sample_weight) for ``model``: the global data, identical on every rank and in the
-    reference; each rank then feeds only its ``local_part`` of it."""
-    rng = np.random.default_rng(seed)
-    y = rng.standard_normal((SAMPLES, 4)).astype("float32")
-    weights = rng.uniform(0.5, 1.5, (SAMPLES,)).astype("float32")
-    if model == "embedding":
-        x = rng.integers(0, VOCAB, (SAMPLES, 6)).astype("int32")
-    elif model == "attention":
-        x = rng.standard_normal((SAMPLES, 6, 8)).astype("float32")
-    elif model == "twoinput":
-        x = {"a": rng.standard_normal((SAMPLES, 4)).astype("float32"),
-             "b": rng.standard_normal((SAMPLES, 4)).astype("float32")}
-    else:
-        x = rng.standard_normal((SAMPLES, 8)).astype("float32")
-    return x, y, weights
-
-
-def batch_part(layout: dict, rank: int, nproc: int) -> tuple[int, int]:
-    """(index, count): this rank's position along the mesh's batch axis, and that axis' size.
-
-    Keras' multi-process contract (torch ``distribute_data_input``: ``DTensor.from_local`` of the
-    per-process batch; JAX ``make_array_from_process_local_data``) is that each process feeds
-    its LOCAL part and the global batch is their concatenation along the batch axis. Ranks with
-    the same batch coordinate (the model axis of a 2x2 mesh) feed the same rows; a ``(1, n)``
-    mesh has one batch shard, so every rank feeds the whole global batch. Derived from the
-    layout (devices fill the mesh in row-major order), not from the build's mesh, so a build
-    that builds the mesh wrong is not fed to match it.
-    """
-    if layout["kind"] == "single":
-        return 0, 1
-    if layout["kind"] == "data-parallel":
-        return rank, nproc
-    from conformance.judge.sharding import mesh_shape
-
-    batch, model = mesh_shape(layout, nproc)
-    return rank // model, batch
-
-
-def local_rows(index: int, count: int) -> np.ndarray:
-    """Global row numbers a rank at batch position ``index`` of ``count`` feeds, in order: its
-    ``BATCH // count`` rows of every global batch."""
-    local = BATCH // count
-    return np.concatenate([np.arange(s * BATCH + index * local, s * BATCH + (index + 1) * local)
-                           for s in range(STEPS)])
-
-
-def local_part(array, rows: np.ndarray):
-    """``array`` (or a dict of arrays) restricted to ``rows``."""
-    return {k: v[rows] for k, v in array.items()} if isinstance(array, dict) else array[rows]
-
-
-def _batches(x, y, batch: int, w=None):
-    for i in range(len(y) // batch):
-        s = slice(i * batch, (i + 1) * batch)
-        xb = {k: v[s] for k, v in x.items()} if isinstance(x, dict) else x[s]
-        yield (xb, y[s]) if w is None else (xb, y[s], w[s])
-
-
-def fit_inputs(source: str, x, y, w, batch: int = BATCH) -> tuple[tuple, dict]:
-    """(args, kwargs) for model.fit / evaluate that feed (x, y, w) through ``source`` in batches
-    of ``batch`` rows (a rank's local batch).
-
-    Every source yields the same batches in the same order, so losses and weights are comparable
-    to the reference step by step (PyDataset's adapter shuffles its batch order under fit's default
-    ``shuffle=True``, by the epoch's number: the same order in every process and backend). Only the
-    torch sources import torch: the JAX reference feeds a PyDataset through here too.
-    """
-    steps = len(y) // batch
-    if source in ("arrays", "dict"):
-        return (x, y), {"batch_size": batch, "shuffle": False}
-    if source == "sample-weights":
-        return (x, y), {"batch_size": batch, "shuffle": False, "sample_weight": w}
-    if source in ("tensors", "iterable") or source.startswith("dataloader"):
-        import torch
-    if source == "tensors":
-        return (torch.from_numpy(x), torch.from_numpy(y)), {"batch_size": batch, "shuffle": False}
-    if source.startswith("dataloader"):
-        from torch.utils.data import DataLoader, TensorDataset
-
-        workers = 2 if source.endswith("workers") else 0
-        loader = DataLoader(TensorDataset(torch.from_numpy(x), torch.from_numpy(y)), batch_size=batch,
-                            shuffle=False, num_workers=workers)
-        return (loader,), {}
-    if source == "iterable":
-        from torch.utils.data import DataLoader, IterableDataset
-
-        class Samples(IterableDataset):
-            def __iter__(self):
-                for i in range(len(y)):
-                    yield torch.from_numpy(x[i]), torch.from_numpy(y[i])
-
-        return (DataLoader(Samples(), batch_size=batch),), {}
-    if source.startswith("pydataset"):
-        import keras
-
-        class Batches(keras.utils.PyDataset):
-            def __len__(self):
-                return steps
-
-            def __getitem__(self, i):
-                return x[i * batch:(i + 1) * batch], y[i * batch:(i + 1) * batch]
-
-        workers = 2 if source.endswith("workers") else 1
-        return (Batches(workers=workers, use_multiprocessing=False),), {}
-    if source == "generator":
-        return (_batches(x, y, batch),), {"steps_per_epoch": steps}
-    if source == "tfdata":
-        import tensorflow as tf
-
-        return (tf.data.Dataset.from_tensor_slices((x, y)).batch(batch),), {}
-    if source == "grain":
-        import grain
-
-        ds = grain.MapDataset.source(list(zip(x, y, strict=True))).batch(batch)
-        return (ds,), {}
-    raise ValueError(f"unknown data source {source!r}")
 
 
 # ---------------------------------------------------------------- models and optimizers
@@ -347,192 +229,6 @@ def _compiled_during(before: dict, after: dict) -> dict:
         - (after["frames_ok"] - before["frames_ok"]),
         "compiled_frames": [f"{where(r)} ({r.graph_op_count} ops)" for r in records if r.graph_op_count],
     }
-
-
-# ---------------------------------------------------------------- communication inside a step
-def _tensors(value) -> list:
-    """The tensors in an op's arguments or result (lists, tuples and dicts of them flattened)."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _tensors(item)]
-    if isinstance(value, dict):
-        return [t for item in value.values() for t in _tensors(item)]
-    return []
-
-
-def _placements(tensor) -> list[str]:
-    return [str(p) for p in tensor.placements]
-
-
-def _collective_recorder():
-    """A dispatch mode that records every collective one step issues: op, input and output shapes,
-    dtype, bytes, and the explicit redistribution that issued it (``made_by``, set by
-    ``_explicit_redistributions``; None: DTensor issued it inside an op, for its sharding strategy).
-
-    It works as torch's ``CommDebugMode`` (``torch.distributed.tensor.debug``) does and counts the
-    ops that one counts (its ``comm_registry`` of functional collectives and its module's
-    ``c10d_collective_ops``): it answers an op with a DTensor argument ``NotImplemented``, so
-    DTensor's own dispatch runs and issues its collectives as plain-tensor ops, which it sees. It
-    is not CommDebugMode itself because that one also enters a module tracker whose per-module
-    forward hooks leak when a module runs twice under it (measured on torch 2.13: a second
-    measurement then raised ``IndexError`` in ``_fw_set_module_hook``), and this needs no module.
-    """
-    import torch
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.debug import CommDebugMode
-    from torch.distributed.tensor.debug._comm_mode import c10d_collective_ops
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    collectives = set(CommDebugMode().comm_registry) | set(c10d_collective_ops)
-
-    def size(tensors) -> int:
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-    class CollectiveRecorder(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.calls: list[dict] = []
-            self.made_by: int | None = None
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if isinstance(func, torch._ops.HigherOrderOperator):
-                return func(*args, **kwargs)
-            if any(issubclass(t, DTensor) for t in types):
-                return NotImplemented
-            out = func(*args, **kwargs)
-            if func._overloadpacket in collectives:
-                inputs, outputs = _tensors((args, kwargs)), _tensors(out)
-                self.calls.append({
-                    "op": func._overloadpacket._qualified_op_name.split("::")[-1],
-                    "inputs": [list(t.shape) for t in inputs],
-                    "outputs": [list(t.shape) for t in outputs],
-                    "dtype": str(inputs[0].dtype).replace("torch.", "") if inputs else "",
-                    # What the collective holds on this rank at its largest: an all-gather's
-                    # output, a reduce-scatter's input, an all-reduce's buffer.
-                    "bytes": max(size(inputs), size(outputs)),
-                    "made_by": self.made_by,
-                })
-            return out
-
-    return CollectiveRecorder()
-
-
-@contextlib.contextmanager
-def _beneath_current_modes(mode):
-    """Enter dispatch ``mode`` BELOW the modes already on the stack (the Keras promotion mode).
-
-    On top it would break what it measures: CommDebugMode answers ``NotImplemented`` for every op
-    with a DTensor argument so that DTensor's own dispatch runs, and the modes under it never see
-    that op, so the promotion mode would not promote a plain tensor and the step would raise a
-    mixed-tensor error the build does not have. Beneath, the promotion mode sees every op first,
-    as without the recorder, and the recorder then sees the DTensor ops and their collectives
-    (torch's private mode-stack helpers, listed in ``fixtures/torch_internals.py``)."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
-
-    above = [_pop_mode() for _ in range(len(_get_current_dispatch_mode_stack()))]  # top first
-    try:
-        with mode:
-            for other in reversed(above):
-                _push_mode(other)
-            try:
-                yield mode
-            finally:
-                for _ in above:
-                    _pop_mode()
-    finally:
-        for other in reversed(above):
-            _push_mode(other)
-
-
-@contextlib.contextmanager
-def _explicit_redistributions(recorder, redistributions: list):
-    """Record each ``DTensor.redistribute`` the build calls itself (``full_tensor()`` is one: it
-    redistributes to Replicate), with the tensor's global shape and placements before and after
-    and its local size before and after, and tag the collectives it issues (``made_by``: its
-    index). DTensor's op dispatch reshards operands without this method, so what it records is
-    what the build asked for, not a sharding strategy DTensor chose for an op."""
-    from torch.distributed.tensor import DTensor
-
-    original = DTensor.redistribute
-
-    def redistribute(self, *args, **kwargs):
-        index, outer = len(redistributions), recorder.made_by
-        redistributions.append({"shape": list(self.shape), "from": _placements(self),
-                                "local_numel": self.to_local().numel()})
-        recorder.made_by = index
-        try:
-            result = original(self, *args, **kwargs)
-        finally:
-            recorder.made_by = outer
-        redistributions[index].update({"to": _placements(result), "result_local_numel": result.to_local().numel()})
-        return result
-
-    DTensor.redistribute = redistribute
-    try:
-        yield
-    finally:
-        DTensor.redistribute = original
-
-
-@contextlib.contextmanager
-def _gradients_received(optimizer, received: list):
-    """Record what the train step hands ``optimizer.apply``: per variable path, its gradient's
-    type (a DTensor with placements and local shape, or a plain tensor) and global shape."""
-    from torch.distributed.tensor import DTensor
-
-    apply = optimizer.apply
-
-    def spy(grads, trainable_variables=None):
-        for grad, variable in zip(grads, trainable_variables or [None] * len(grads), strict=False):
-            if grad is None:
-                continue
-            entry = {"path": getattr(variable, "path", None), "type": type(grad).__name__, "shape": list(grad.shape)}
-            if isinstance(grad, DTensor):
-                entry.update(placements=_placements(grad), local_shape=list(grad.to_local().shape))
-            received.append(entry)
-        return apply(grads, trainable_variables)
-
-    optimizer.__dict__["apply"] = spy  # the instance, past Keras' attribute tracking
-    try:
-        yield
-    finally:
-        optimizer.__dict__.pop("apply", None)
-
-
-def measure_step_communication(model, x, y) -> dict:
-    """What ONE train step communicates and materialises on this rank: ``model.train_on_batch(x, y)``
-    on a local batch, eagerly (``torch.compiler.set_stance("force_eager")``: dynamo compiles no
-    frame under a dispatch mode anyway, so a ``jit`` cell's step is measured as the eager code it
-    traces), under ``_collective_recorder``.
-
-    Run after the cell's evidence is taken: it trains the model one more step, so it changes no
-    weight, loss, prediction or compile counter the other checks read. Returns plain data:
-
-    - ``calls``: each collective in order (op, shapes, bytes, ``made_by``); ``ops``: op -> count
-      and bytes; ``count`` and ``bytes``: the totals;
-    - ``redistributions``: the build's own ``DTensor.redistribute`` calls (``full_tensor`` included);
-    - ``gradients``: what the optimizer received, per variable.
-
-    What is judged against the layout is ``conformance.judge.communication``'s part.
-    """
-    import torch
-
-    recorder, redistributions, gradients = _collective_recorder(), [], []
-    with (torch.compiler.set_stance("force_eager"), _gradients_received(model.optimizer, gradients),
-          _explicit_redistributions(recorder, redistributions), _beneath_current_modes(recorder)):
-        model.train_on_batch(x, y)
-    ops: dict[str, dict] = {}
-    for call in recorder.calls:
-        entry = ops.setdefault(call["op"], {"count": 0, "bytes": 0})
-        entry["count"] += 1
-        entry["bytes"] += call["bytes"]
-    return {"measured": "one eager train_on_batch on this rank's first local batch, after the evidence",
-            "count": len(recorder.calls), "bytes": sum(c["bytes"] for c in recorder.calls), "ops": ops,
-            "calls": recorder.calls, "redistributions": redistributions, "gradients": gradients}
 
 
 def _batch_part_here(layout: dict, distributed: bool) -> tuple[int, int]:

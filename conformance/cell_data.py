@@ -1,0 +1,89 @@
+"""The data of a training cell, which the rank side feeds and the judge reasons about: neither
+side's module, so the judge (the NumPy oracle, the batch geometry) imports no rank code.
+
+The global data (``make_arrays``), its batches (``BATCH`` rows, ``STEPS`` of them), each process'
+part of every global batch (``batch_part``, ``local_rows``, ``local_part``), and the mesh
+geometry they follow (``mesh_shape``, ``mesh_coordinate``, ``shard_size``). NumPy only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+STEPS = 4
+#: The global batch. Divisible by every batch-shard count a cell can have (1, 2, 3, 4 and 8
+#: processes on the batch axis), so every process feeds a local part of the same size.
+BATCH = 24
+SAMPLES = STEPS * BATCH
+VOCAB = 20
+#: The mesh axes of every layout, in order: (batch, model).
+MESH_AXES = ("batch", "model")
+
+
+def mesh_shape(layout: dict, nproc: int) -> tuple[int, ...]:
+    """The (batch, model) mesh of a layout; "nproc" stands for the number of ranks."""
+    return tuple(nproc if d == "nproc" else d for d in layout.get("mesh", (1, "nproc")))
+
+
+def mesh_coordinate(rank: int, mesh: tuple[int, ...]) -> tuple[int, ...]:
+    """Where ``rank`` sits in ``mesh``: Keras' DeviceMesh reshapes the device list row-major."""
+    coordinate = []
+    for size in reversed(mesh):
+        coordinate.append(rank % size)
+        rank //= size
+    return tuple(reversed(coordinate))
+
+
+def shard_size(n: int, shards: int, index: int) -> int:
+    """Rows of a dimension of ``n`` that shard ``index`` of ``shards`` holds (torch.chunk rule)."""
+    chunk = -(-n // shards)
+    return max(0, min(chunk, n - index * chunk))
+
+def make_arrays(model: str, seed: int = 0) -> tuple[dict | np.ndarray, np.ndarray, np.ndarray]:
+    """(x, y, sample_weight) for ``model``: the global data, identical on every rank and in the
+    reference; each rank then feeds only its ``local_part`` of it."""
+    rng = np.random.default_rng(seed)
+    y = rng.standard_normal((SAMPLES, 4)).astype("float32")
+    weights = rng.uniform(0.5, 1.5, (SAMPLES,)).astype("float32")
+    if model == "embedding":
+        x = rng.integers(0, VOCAB, (SAMPLES, 6)).astype("int32")
+    elif model == "attention":
+        x = rng.standard_normal((SAMPLES, 6, 8)).astype("float32")
+    elif model == "twoinput":
+        x = {"a": rng.standard_normal((SAMPLES, 4)).astype("float32"),
+             "b": rng.standard_normal((SAMPLES, 4)).astype("float32")}
+    else:
+        x = rng.standard_normal((SAMPLES, 8)).astype("float32")
+    return x, y, weights
+
+
+def batch_part(layout: dict, rank: int, nproc: int) -> tuple[int, int]:
+    """(index, count): this rank's position along the mesh's batch axis, and that axis' size.
+
+    Keras' multi-process contract (torch ``distribute_data_input``: ``DTensor.from_local`` of the
+    per-process batch; JAX ``make_array_from_process_local_data``) is that each process feeds
+    its LOCAL part and the global batch is their concatenation along the batch axis. Ranks with
+    the same batch coordinate (the model axis of a 2x2 mesh) feed the same rows; a ``(1, n)``
+    mesh has one batch shard, so every rank feeds the whole global batch. Derived from the
+    layout (devices fill the mesh in row-major order), not from the build's mesh, so a build
+    that builds the mesh wrong is not fed to match it.
+    """
+    if layout["kind"] == "single":
+        return 0, 1
+    if layout["kind"] == "data-parallel":
+        return rank, nproc
+    batch, model = mesh_shape(layout, nproc)
+    return rank // model, batch
+
+
+def local_rows(index: int, count: int) -> np.ndarray:
+    """Global row numbers a rank at batch position ``index`` of ``count`` feeds, in order: its
+    ``BATCH // count`` rows of every global batch."""
+    local = BATCH // count
+    return np.concatenate([np.arange(s * BATCH + index * local, s * BATCH + (index + 1) * local)
+                           for s in range(STEPS)])
+
+
+def local_part(array, rows: np.ndarray):
+    """``array`` (or a dict of arrays) restricted to ``rows``."""
+    return {k: v[rows] for k, v in array.items()} if isinstance(array, dict) else array[rows]
