@@ -6,12 +6,23 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+from keras_dtensor_conformance import CHECKS_PROPERTY, as_record
 
 from conformance import axes
 from conformance.judge import oracle
 from conformance.judge.sharding import mesh_shape
 from conformance.marks import mesh_marks
 from conformance.reference import JaxReferences, OtherBuild, References, both, jax_installed
+
+
+@pytest.fixture
+def record_checks(request):
+    """``record(outcomes)``: a cell's checks' outcomes (``{name: (outcome, why)}``) on its item, for
+    the report, which counts promises from them (``keras_dtensor_conformance.checks``)."""
+    def record(outcomes: dict) -> None:
+        request.node.user_properties.append((CHECKS_PROPERTY, as_record(outcomes)))
+
+    return record
 
 
 @pytest.fixture(scope="session")

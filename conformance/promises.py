@@ -22,6 +22,7 @@ from keras_dtensor_conformance import (
     DATA_NOT_SHARDED,
     ERROR,
     HANG_VERDICT,
+    JAX_BACKEND_DIFFERS,
     JUDGED_VERDICTS,
     MIXED_TENSOR,
     NO_SHARDING_STRATEGY,
@@ -32,6 +33,8 @@ from keras_dtensor_conformance import (
 )
 
 from conformance import axes
+from conformance.judge import fit_checks
+from conformance.judge.op_checks import OP_COMPILED, OP_PLACEMENTS, OP_VALUE
 
 #: The field of a cell that carries one train step's collectives and bytes (``test_fit`` records it
 #: for every training cell that ran everywhere): a cell that has it tested the budget.
@@ -141,48 +144,102 @@ def state(cell: dict, kind: str) -> bool:
     return family(cell) == "state" and cell["axes"].get("state") == kind
 
 
+def ranks_stopped(cell: dict) -> bool:
+    """A rank did not run to the end: it crashed, hung or raised (``ranks``: every rank's outcome
+    where the cell recorded them; a raised verdict without them, e.g. ranks that could not start)."""
+    if cell["verdict"] in (CRASH_VERDICT, HANG_VERDICT):
+        return True
+    if cell["verdict"] not in (ERROR, MIXED_TENSOR, NO_SHARDING_STRATEGY):
+        return False
+    ranks = cell.get("ranks") or []
+    return not ranks or any(r["status"] != "ok" for r in ranks)
+
+
+def judged_error(cell: dict) -> bool:
+    """An ``error`` the judge gave from evidence every rank returned (not a rank's exception)."""
+    return cell["verdict"] == ERROR and not ranks_stopped(cell)
+
+
 PROMISES = (
     Promise("sharded-variables", "variables keep the layout asked for", tests=shards_variables,
-            breaks=variable_lost, kept_despite=sharding_kept_despite(variable_lost)),
+            breaks=variable_lost, kept_despite=sharding_kept_despite(variable_lost),
+            checks=(fit_checks.VARIABLE_LAYOUTS,),
+            scope="every variable the LayoutMap (or the JAX backend) lays out is a DTensor with those placements "
+                  "and local shapes after build, fit, evaluate and predict; not applicable where the layout asks "
+                  "none (replicated, DataParallel)"),
     Promise("sharded-optimizer-state", "optimizer slots are sharded like their variable", tests=keeps_slots,
-            breaks=slot_lost, kept_despite=sharding_kept_despite(slot_lost)),
+            breaks=slot_lost, kept_despite=sharding_kept_despite(slot_lost), checks=(fit_checks.SLOT_LAYOUTS,),
+            scope="every full slot of a laid-out variable has its variable's layout, and each such variable "
+                  "its optimizer's slot count; not applicable where no laid-out variable has a full slot "
+                  "(SGD without momentum; Adafactor's factored slots may be kept whole)"),
     Promise("communication-budget", "a train step communicates within the layout's budget",
             tests=lambda cell: cell.get(COMMUNICATION) is not None, breaks=(OVER_BUDGET,),
-            kept_despite=fit_checked_before(NUMERICS, COMPILE_FALLBACK)),
+            kept_despite=fit_checked_before(NUMERICS, COMPILE_FALLBACK), checks=(fit_checks.STEP_COMMUNICATION,),
+            scope="an eager ModelParallel step makes no full-size copy of a split variable, its gradient or a "
+                  "slot; not applicable where no variable is split, under DataParallel, and on jit cells "
+                  "(the compiled step is not measured)"),
     Promise("per-process-input", "each process's own input (hand-fed) becomes the global batch", tests=fit,
-            breaks=input_failure, kept_despite=fit_checked_before(COMPILE_FALLBACK)),
+            breaks=input_failure, kept_despite=fit_checked_before(COMPILE_FALLBACK), checks=(fit_checks.GLOBAL_BATCH,),
+            scope="with several batch shards, the first step's loss (before any update) is the single process's "
+                  "on the global batch; not applicable with one batch shard or steps_per_execution > 1; an "
+                  "exception in Keras' input code breaks it too"),
     # issue 19, item 1: Keras' own data sharding (test_data_sharding.py, family "keras-sharded LAYOUT")
     Promise("keras-shards-input", "given the global dataset, Keras gives each process a distinct part, together "
-            "the whole", tests=keras_sharded, breaks=keras_sharding_broken),
+            "the whole", tests=keras_sharded, breaks=keras_sharding_broken,
+            scope="the rows each process's steps received, recorded on the ranks"),
     Promise("metrics-and-callbacks-agree", "every rank reports the metrics and takes the callback decisions "
-            "of a single process", tests=agreement, breaks=lambda cell: agreement(cell) and cell["verdict"] in (
-                NUMERICS, HANG_VERDICT)),
+            "of a single process", tests=agreement, breaks=lambda cell: agreement(cell) and (cell["verdict"] in (
+                NUMERICS, HANG_VERDICT) or judged_error(cell)),
+            scope="metrics' logs and callbacks' decisions on every rank against a single process's"),
     Promise("numbers-match-single-process", "numbers match a single process (reference and NumPy oracle)",
-            tests=lambda cell: fit(cell) or cell["axes"].get("scenario") in NUMERIC_SCENARIOS,
-            breaks=lambda cell: cell["verdict"] == NUMERICS and family(cell) in ("fit", "scenarios"),
-            kept_despite=fit_checked_before(COMPILE_FALLBACK)),
+            tests=fit, breaks=lambda cell: fit(cell) and cell["verdict"] == NUMERICS,
+            kept_despite=fit_checked_before(COMPILE_FALLBACK),
+            checks=(fit_checks.SINGLE_PROCESS_NUMBERS, fit_checks.ORACLE_NUMBERS),
+            scope="losses, evaluate, predict and final weights of every rank against single-process torch, and "
+                  "against the NumPy oracle in its scope; not judged where the reference does not define the "
+                  "numbers (BatchNormalization's local statistics under DataParallel: skipped)"),
+    Promise("agrees-with-jax-backend", "torch computes what the same build's JAX backend computes",
+            tests=fit, breaks=(JAX_BACKEND_DIFFERS,), checks=(fit_checks.JAX_NUMBERS,),
+            scope="the ranks' numbers against the same build's JAX backend from the same weights; where the "
+                  "NumPy oracle sides with torch the verdict is jax-backend-differs, not a torch failure; not "
+                  "applicable without JAX"),
     # issue 19: what Keras must do itself with variables between processes (test_state.py).
     Promise("variables-reconciled", "ranks seeded differently agree on one global initialisation, then train "
             "as one process from it", tests=lambda cell: state(cell, "reconcile"),
-            breaks=lambda cell: state(cell, "reconcile") and cell["verdict"] in (NUMERICS, SHARDING_LOST)),
+            breaks=lambda cell: state(cell, "reconcile") and cell["verdict"] in (NUMERICS, SHARDING_LOST),
+            scope="every rank's variables against rank 0's and a single process's"),
     Promise("checkpoints-resume-and-reshard", "a checkpoint written from every rank loads (optimizer slots "
             "included) under any layout and process count and resumes as uninterrupted training",
             tests=lambda cell: state(cell, "checkpoint"),
-            breaks=lambda cell: state(cell, "checkpoint") and cell["verdict"] in (NUMERICS, SHARDING_LOST, ERROR)),
+            breaks=lambda cell: state(cell, "checkpoint") and cell["verdict"] in (NUMERICS, SHARDING_LOST, ERROR),
+            scope="the resumed run against an uninterrupted single process, and the loaded layouts"),
     Promise("compile", "torch.compile compiles the whole step", tests=lambda cell: cell["axes"].get("compile") in (
-        "jit", "compiled"), breaks=(COMPILE_FALLBACK, COMPILE_TIMEOUT)),
-    Promise("ops-keep-placements", "keras.ops on DTensors give the plain values and keep placements",
+        "jit", "compiled"), breaks=(COMPILE_FALLBACK, COMPILE_TIMEOUT), checks=(fit_checks.COMPILED, OP_COMPILED),
+            scope="dynamo's counters: a jit cell's whole train step in compiled graphs; a compiled op at least "
+                  "the graphs its plain-tensor twin compiles (not applicable where the twin compiles none)"),
+    Promise("ops-give-plain-values", "keras.ops on DTensors give the values they give on plain tensors",
             tests=lambda cell: family(cell) == "ops",
-            breaks=lambda cell: family(cell) == "ops" and cell["verdict"] in (NUMERICS, SHARDING_LOST),
-            # op_checks.op_failure's order: the value, the placements, then compilation.
-            kept_despite=lambda cell: family(cell) == "ops" and cell["verdict"] == COMPILE_FALLBACK),
+            breaks=lambda cell: family(cell) == "ops" and cell["verdict"] == NUMERICS, checks=(OP_VALUE,),
+            # op_checks.op_checks' order: the value, the placements, then compilation.
+            kept_despite=lambda cell: family(cell) == "ops" and cell["verdict"] in (SHARDING_LOST, COMPILE_FALLBACK),
+            scope="each op's value on every rank against the same op on plain tensors"),
+    Promise("ops-keep-placements", "keras.ops on DTensors keep the placements DTensor's propagation gives",
+            tests=lambda cell: family(cell) == "ops",
+            breaks=lambda cell: family(cell) == "ops" and cell["verdict"] == SHARDING_LOST, checks=(OP_PLACEMENTS,),
+            kept_despite=lambda cell: family(cell) == "ops" and cell["verdict"] == COMPILE_FALLBACK,
+            scope="a tensor result's placements against plain torch on the same DTensor; not applicable where "
+                  "the result is no tensor (shape, is_tensor, convert_to_numpy)"),
     Promise("setup", "setup entry points work (initialize, DeviceMesh, LayoutMap, ModelParallel, DataParallel)",
-            tests=lambda cell: family(cell) == "setup", breaks=lambda cell: family(cell) == "setup"),
+            tests=lambda cell: family(cell) == "setup", breaks=lambda cell: family(cell) == "setup",
+            scope="each entry point runs on every rank"),
     Promise("known-failure-modes", "failure modes real builds hit stay fixed (scenarios)",
-            tests=lambda cell: family(cell) == "scenarios", breaks=lambda cell: family(cell) == "scenarios"),
+            tests=lambda cell: family(cell) == "scenarios", breaks=lambda cell: family(cell) == "scenarios",
+            scope="each scenario's own evidence (a kernel's layout, a value, a dtype, a clear error)"),
     Promise("dtensor-dispatch", "no mixed Tensor/DTensor, no missing sharding strategy", tests=lambda cell: True,
             # A judged verdict comes from a call that succeeded on every rank: it ran to the end, unmixed.
-            breaks=(MIXED_TENSOR, NO_SHARDING_STRATEGY), kept_despite=JUDGED_VERDICTS),
+            breaks=(MIXED_TENSOR, NO_SHARDING_STRATEGY), kept_despite=JUDGED_VERDICTS,
+            scope="what every rank raised, classified; a crash or hang proves nothing either way"),
     Promise("runs-to-the-end", "every rank runs to the end: no error, crash or hang", tests=lambda cell: True,
-            breaks=(ERROR, CRASH_VERDICT, HANG_VERDICT), kept_despite=JUDGED_VERDICTS),
+            breaks=ranks_stopped, kept_despite=lambda cell: not ranks_stopped(cell),
+            scope="the ranks' outcomes alone: an error the judge gave from returned evidence does not break it"),
 )

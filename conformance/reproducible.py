@@ -17,10 +17,10 @@ from keras_dtensor_conformance import Family
 TRAINING = Family(
     name="training",
     prefix="fit",
-    modules=("conformance.judge.sharding", "conformance.judge.slots", "conformance.judge.numerics",
-             "conformance.judge.jax_compare",
-             "conformance.judge.compile_evidence", "conformance.judge.communication", "conformance.ranks.train",
-             "conformance.judge.fit_checks"),
+    modules=("conformance.cell_data", "conformance.judge.sharding", "conformance.judge.slots",
+             "conformance.judge.numerics", "conformance.judge.jax_compare", "conformance.judge.compile_evidence",
+             "conformance.judge.communication", "conformance.ranks.feeding", "conformance.ranks.step_communication",
+             "conformance.ranks.train", "conformance.judge.fit_checks"),
     spec_comment="The cell, literally: model, optimizer (class and arguments), data source, compile mode, layout.",
     code='''
 #: What a run that does not reproduce did.
@@ -80,9 +80,9 @@ def _run():
 
 def _judge(evidence):
     """The suite's own checks in the suite's order (fit_failure, conformance/judge/fit_checks.py,
-    inlined above): (verdict, message) or None."""
+    inlined above), against the JAX evidence the suite judged the cell with: (verdict, message) or None."""
     values, reference = evidence
-    found = fit_failure(SPEC, values, len(values), reference)
+    found = fit_failure(SPEC, values, len(values), reference, jax=JAX_REFERENCE)
     if found is not None and found[0] == NOT_COMPARABLE:  # the suite skips the cell here
         print(f"numbers not compared: {found[1]}", flush=True)
         return None

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import importlib.util
 
+import numpy as np
 import pytest
+from keras_dtensor_conformance import CellFailure
 
 from conformance import axes
 from conformance.judge import judge_fit, skip_if_not_in_build
@@ -18,7 +20,7 @@ from conformance.judge.communication import figures
 from conformance.ranks import train as rank_train
 
 
-def test_fit(training_cell, keras_ranks, references_for, jax_references, request):
+def test_fit(training_cell, keras_ranks, references_for, jax_references, record_checks, request):
     model, optimizer, data, compile_mode, layout = training_cell
     package = axes.DATA_SOURCES[data]
     if package and importlib.util.find_spec(package) is None:
@@ -32,7 +34,25 @@ def test_fit(training_cell, keras_ranks, references_for, jax_references, request
     skip_if_not_in_build(result)
     record_communication(result, request)
     reference, jax = references_for(spec, result)
-    judge_fit(spec, result, reference, keras_ranks.nproc, jax.evidence)
+    try:
+        judge_fit(spec, result, reference, keras_ranks.nproc, jax.evidence, record=record_checks)
+    except CellFailure:
+        if jax.evidence is not None:  # what the cell's reproducer judges against
+            request.node.user_properties.append(("jax_reference", plain(jax.evidence)))
+        raise
+
+
+def plain(value):
+    """``value`` as JSON data: arrays and tuples as lists, NumPy scalars as Python numbers."""
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
 
 
 def record_communication(result, request) -> None:

@@ -33,8 +33,9 @@ def op_params() -> list:
 
 
 @pytest.mark.parametrize("op, operand, placement, compile_mode", op_params())
-def test_op(keras_ranks, op, operand, placement, compile_mode, request):
+def test_op(keras_ranks, op, operand, placement, compile_mode, record_checks, request):
     # The cell as data, on the item as a training cell's is: its reproducer calls ``op_cell(**spec)``.
     spec = {"op": op, "operand": operand, "placement": placement, "compile_mode": compile_mode}
     request.node.user_properties.append(("spec", spec))
-    judge_op(op, compile_mode, keras_ranks.run(rank_ops.op_cell, op, operand, placement, compile_mode))
+    judge_op(op, compile_mode, keras_ranks.run(rank_ops.op_cell, op, operand, placement, compile_mode),
+             record=record_checks)

@@ -126,7 +126,7 @@ def test_clusters_are_largest_first_with_what_their_cells_share():
         ("compile-fallback", 3, 0, "a"), ("error", 1, 1, "d")]
     assert found[0]["shared"] == {"compile": "jit"}  # not the family, not the optimizer
     assert found[1]["where"] == "keras/src/x.py:3 in f"
-    assert clusters.lines(found)[:2] == ["3 cells: compile-fallback: no graph",
+    assert clusters.lines(found)[:2] == ["3 cells, all expected: compile-fallback: no graph",
                                          "    shared: compile jit; e.g. a"]
 
 

@@ -9,6 +9,7 @@ import copy
 from keras_dtensor_conformance import OVER_BUDGET
 
 from conformance import axes
+from conformance.judge import fit_checks
 from conformance.judge.communication import figures, full_size_copies, over_budget
 
 COLSHARD = axes.cell_spec("mlp", "sgd", "arrays", "nojit", "colshard")
@@ -36,8 +37,27 @@ def _numel(shape) -> int:
 
 def gradient(path, shape, placements=None, local_shape=None) -> dict:
     if placements is None:
-        return {"path": path, "type": "Tensor", "shape": shape}
-    return {"path": path, "type": "DTensor", "shape": shape, "placements": placements, "local_shape": local_shape}
+        return {"path": path, "type": "Tensor", "shape": shape, "bytes": _numel(shape) * 4}
+    return {"path": path, "type": "DTensor", "shape": shape, "placements": placements, "local_shape": local_shape,
+            "bytes": _numel(local_shape) * 4}
+
+
+DATAPARALLEL = axes.cell_spec("mlp", "sgd", "arrays", "nojit", "dataparallel")
+#: The MLP's variables under DataParallel: plain, whole on every rank.
+MLP = {"mlp/dense_a/kernel": [8, 16], "mlp/dense_a/bias": [16], "mlp/dense_b/kernel": [16, 4], "mlp/dense_b/bias": [4]}
+
+
+def data_parallel_rank(*gradient_calls) -> dict:
+    """A DataParallel step: the gradient collectives given, then the loss' and a metric's scalars."""
+    calls = [*gradient_calls, call("allreduce_", [[]], [[]]), call("allreduce_", [[2]], [[2]])]
+    return {"stages": {"fit": [variable(p, s) for p, s in MLP.items()]},
+            "communication": {"measured": "one eager train_on_batch", "count": len(calls),
+                              "bytes": sum(c["bytes"] for c in calls), "ops": {}, "calls": calls,
+                              "redistributions": [], "gradients": [gradient(p, s) for p, s in MLP.items()]}}
+
+
+#: DDP's one bucket: every gradient's elements in one all-reduce (8*16 + 16 + 16*4 + 4 = 212).
+BUCKET = call("allreduce_", [[212]], [[212]])
 
 
 def default_build_rank() -> dict:
@@ -137,7 +157,7 @@ def test_redistributions_that_keep_shards_or_move_nothing_are_within_budget():
     assert full_size_copies(value) == []
 
 
-def test_layouts_without_a_split_variable_and_dataparallel_are_not_judged():
+def test_layouts_without_a_split_variable_are_not_judged():
     # batchshard: kernels "sharded" on a model axis of size 1 hold every element: all-reducing a
     # whole gradient over the batch axis is data parallelism, not a copy of a shard.
     batchshard = gathered_rank()
@@ -146,8 +166,28 @@ def test_layouts_without_a_split_variable_and_dataparallel_are_not_judged():
             v["local_shape"] = v["shape"]
     spec = axes.cell_spec("mlp", "sgd", "arrays", "nojit", "batchshard")
     assert over_budget(spec, [batchshard, batchshard], 2) is None
-    dataparallel = axes.cell_spec("mlp", "sgd", "arrays", "nojit", "dataparallel")
-    assert over_budget(dataparallel, [gathered_rank(), gathered_rank()], 2) is None
+    assert fit_checks.communication_scope(spec, [batchshard, batchshard]) == "no variable is split on any rank"
+    jit = axes.cell_spec("mlp", "sgd", "arrays", "jit", "colshard")
+    assert "compiled step" in fit_checks.communication_scope(jit, [gathered_rank(), gathered_rank()])
+
+
+def test_dataparallel_synchronising_each_gradient_once_is_within_budget_by_any_means():
+    """DDP's bucket, or one all-reduce per gradient (a build without DDP): the same bytes; scalars are free."""
+    assert over_budget(DATAPARALLEL, [data_parallel_rank(BUCKET)] * 2, 2) is None
+    each = [call("allreduce_", [s], [s]) for s in MLP.values()]
+    assert over_budget(DATAPARALLEL, [data_parallel_rank(*each)] * 2, 2) is None
+    assert fit_checks.communication_scope(DATAPARALLEL, [data_parallel_rank(BUCKET)] * 2) is None
+
+
+def test_dataparallel_synchronising_twice_is_over_budget_naming_the_collectives_and_the_bytes():
+    """The numbers are identical (an average of averages), the traffic twice: only the budget sees it."""
+    again = [call("allreduce_", [s], [s]) for s in MLP.values()]
+    verdict, message = over_budget(DATAPARALLEL, [data_parallel_rank(BUCKET, *again)] * 2, 2)
+    assert verdict == OVER_BUDGET
+    assert message.startswith("one DataParallel train step synchronised more than each gradient once:")
+    # the bucket (848 B), the kernels again (512 + 256 B); the biases (64 and 16 B) and scalars are scalar-sized
+    assert "rank 0: 3 collectives moved 1616 bytes for 848 bytes of gradients (768 bytes over): allreduce_ [212]" \
+        in message
 
 
 def test_figures_per_rank_for_the_report():
@@ -184,7 +224,8 @@ def test_the_figures_reach_the_json_and_the_html_report():
     report = build_report([record], {"keras_version": "3.16"}, 1.0)
     cell = report["cells"][0]
     assert cell["communication"]["ranks"][1] == {"rank": 1, "count": 9, "bytes": 3896, "redistributions": 0,
-                                                 "ops": {"all_gather_into_tensor": {"count": 5, "bytes": 2256}}}
+                                                 "ops": {"all_gather_into_tensor": {"count": 5, "bytes": 2256}},
+                                                 "gradient_bytes": 424}
     page = html_page(report)
     assert '"communication": {"measured": "one eager train_on_batch"' in page
     assert "collectives / ${c.communication.ranks[0].bytes} B per step on rank 0" in page  # the grid's tooltip

@@ -1,12 +1,15 @@
-"""The order of a training cell's checks, written once (``fit_checks.fit_failure``) for the judge
-and for a training cell's reproducer: the first failed check decides, and the two outcomes that
-are no verdict (numbers not comparable, no reference) come at their place in that order."""
+"""The order of a training cell's checks, written once (``fit_checks.fit_checks``) for the judge
+and for a training cell's reproducer: the first failed check decides, the two outcomes that are
+no verdict (numbers not comparable, no reference) come at their place in that order, each check
+records what it found (held, failed, not applicable, not reached), and a difference from JAX is
+arbitrated by the NumPy oracle."""
 
 from __future__ import annotations
 
 import types
 
 import pytest
+from keras_dtensor_conformance import FAILED, HELD, JAX_BACKEND_DIFFERS, NOT_APPLICABLE, NOT_REACHED
 from keras_dtensor_conformance.verdicts import COMPILE_FALLBACK, ERROR, NUMERICS, SHARDING_LOST, CellFailure
 
 from conformance import axes
@@ -16,16 +19,21 @@ SPEC = axes.cell_spec("mlp", "adam", "arrays", "jit", "colshard")
 #: Each check of fit_checks, and what it finds when the test makes it fail.
 CHECKS = {
     "sharding_lost": (SHARDING_LOST, "kernel replicated"),
+    "step_communication": ("over-budget", "a full-size copy"),
     "reference_elsewhere": (ERROR, "reference on cpu, ranks on cuda"),
     "local_batch_statistics": "local batch statistics",
+    "global_batch_differs": (NUMERICS, "first step loss differs"),
     "numbers_differ": (NUMERICS, "loss differs"),
+    "differs_from_jax": (NUMERICS, "weights differ from JAX"),
     "not_compiled": (COMPILE_FALLBACK, "graph break"),
 }
+LAYOUTS = (fit_checks.VARIABLE_LAYOUTS, fit_checks.SLOT_LAYOUTS)
 
 
 @pytest.fixture
 def checks(monkeypatch):
-    """fit_checks' checks replaced by stubs that record their calls and fail when told to."""
+    """fit_checks' checks replaced by stubs that record their calls and fail when told to; every
+    check can fail on the cell (no scope says otherwise)."""
     state = types.SimpleNamespace(failing=set(), called=[])
 
     def stub(name):
@@ -34,8 +42,15 @@ def checks(monkeypatch):
             return CHECKS[name] if name in state.failing else None
         return check
 
+    def sharding(*args):
+        found = stub("sharding_lost")()
+        return found, {name: (FAILED, "lost") if found else (HELD, "") for name in LAYOUTS}
+
     for name in CHECKS:
         monkeypatch.setattr(fit_checks, name, stub(name))
+    monkeypatch.setattr(fit_checks, "sharding_checks", sharding)
+    monkeypatch.setattr(fit_checks, "communication_scope", lambda *args: None)
+    monkeypatch.setattr(fit_checks, "global_batch_scope", lambda *args: None)
     return state
 
 
@@ -46,17 +61,27 @@ def _oracle(state, finding=None):
     return check
 
 
+def outcomes_of(*args, **kwargs) -> dict[str, str]:
+    return {name: outcome for name, (outcome, _) in fit_checks.fit_checks(*args, **kwargs)[1].items()}
+
+
 def test_every_check_runs_in_order_when_all_pass(checks):
-    assert fit_checks.fit_failure(SPEC, [{}], 1, {}, oracle=_oracle(checks)) is None
-    assert checks.called == ["sharding_lost", "reference_elsewhere", "local_batch_statistics", "numbers_differ",
-                             "oracle", "not_compiled"]
+    found, outcomes = fit_checks.fit_checks(SPEC, [{}], 1, {}, oracle=_oracle(checks), jax={})
+    assert found is None
+    assert checks.called == ["sharding_lost", "step_communication", "reference_elsewhere", "local_batch_statistics",
+                             "global_batch_differs", "numbers_differ", "differs_from_jax", "oracle", "not_compiled"]
+    assert list(outcomes) == list(fit_checks.CHECKS)
+    assert {outcome for outcome, _ in outcomes.values()} == {HELD}
 
 
 @pytest.mark.parametrize("failing, found", [
     ({"sharding_lost", "numbers_differ", "not_compiled"}, CHECKS["sharding_lost"]),
+    ({"step_communication", "numbers_differ"}, CHECKS["step_communication"]),
     ({"reference_elsewhere", "numbers_differ"}, CHECKS["reference_elsewhere"]),
     ({"local_batch_statistics", "numbers_differ"}, (fit_checks.NOT_COMPARABLE, "local batch statistics")),
     ({"numbers_differ", "not_compiled"}, CHECKS["numbers_differ"]),
+    ({"global_batch_differs", "numbers_differ"}, CHECKS["numbers_differ"]),
+    ({"global_batch_differs"}, CHECKS["global_batch_differs"]),
     ({"not_compiled"}, CHECKS["not_compiled"]),
 ])
 def test_the_first_failed_check_decides(checks, failing, found):
@@ -64,11 +89,49 @@ def test_the_first_failed_check_decides(checks, failing, found):
     assert fit_checks.fit_failure(SPEC, [{}], 1, {}) == found
 
 
+def test_after_the_first_failure_the_checks_are_not_reached(checks):
+    checks.failing = {"step_communication", "numbers_differ"}
+    outcomes = outcomes_of(SPEC, [{}], 1, {})
+    assert outcomes[fit_checks.VARIABLE_LAYOUTS] == HELD and outcomes[fit_checks.STEP_COMMUNICATION] == FAILED
+    assert {outcomes[name] for name in fit_checks.CHECKS[3:]} == {NOT_REACHED}
+    checks.failing = {"global_batch_differs", "numbers_differ"}  # one step: both judged, both failed
+    outcomes = outcomes_of(SPEC, [{}], 1, {})
+    assert outcomes[fit_checks.GLOBAL_BATCH] == outcomes[fit_checks.SINGLE_PROCESS_NUMBERS] == FAILED
+    assert outcomes[fit_checks.JAX_NUMBERS] == outcomes[fit_checks.COMPILED] == NOT_REACHED
+
+
+def test_what_cannot_fail_on_a_cell_is_not_applicable(checks):
+    nojit = dict(SPEC, compile="nojit")
+    outcomes = outcomes_of(nojit, [{}], 1, {})  # no JAX run, no oracle (a reproducer's)
+    assert outcomes[fit_checks.JAX_NUMBERS] == outcomes[fit_checks.ORACLE_NUMBERS] == NOT_APPLICABLE
+    assert outcomes[fit_checks.COMPILED] == NOT_APPLICABLE
+    outcomes = outcomes_of(nojit, [{}], 1, {}, oracle=lambda: (NOT_APPLICABLE, "no oracle for adafactor"), jax={})
+    assert outcomes[fit_checks.ORACLE_NUMBERS] == NOT_APPLICABLE and outcomes[fit_checks.JAX_NUMBERS] == HELD
+
+
+def test_the_oracle_arbitrates_a_difference_from_jax(checks):
+    checks.failing = {"differs_from_jax"}
+    # torch agrees with the oracle: the JAX backend is named, the torch checks held, compilation still judged
+    found, outcomes = fit_checks.fit_checks(SPEC, [{}], 1, {}, oracle=_oracle(checks), jax={})
+    assert found[0] == JAX_BACKEND_DIFFERS and "weights differ from JAX" in found[1]
+    assert outcomes[fit_checks.JAX_NUMBERS] == (FAILED, "weights differ from JAX")
+    assert outcomes[fit_checks.ORACLE_NUMBERS][0] == outcomes[fit_checks.COMPILED][0] == HELD
+    checks.failing.add("not_compiled")  # a torch failure comes first
+    assert fit_checks.fit_failure(SPEC, [{}], 1, {}, oracle=_oracle(checks), jax={}) == CHECKS["not_compiled"]
+    checks.failing = {"differs_from_jax"}
+    # the oracle against torch: torch's bug; no oracle: a difference, no side claimed
+    found = fit_checks.fit_failure(SPEC, [{}], 1, {}, oracle=_oracle(checks, (NUMERICS, "oracle: weight w")), jax={})
+    assert found[0] == NUMERICS and "the NumPy oracle disagrees with torch too" in found[1]
+    found = fit_checks.fit_failure(SPEC, [{}], 1, {}, oracle=lambda: (NOT_APPLICABLE, "no oracle for lion"), jax={})
+    assert found[0] == NUMERICS and "no NumPy oracle says which backend is right (no oracle for lion)" in found[1]
+    assert "bug" not in found[1]
+
+
 def test_the_oracle_runs_between_the_numbers_and_compilation(checks):
     checks.failing = {"not_compiled"}
     assert fit_checks.fit_failure(SPEC, [{}], 1, {}, oracle=_oracle(checks, (NUMERICS, "oracle"))) == \
         (NUMERICS, "oracle")
-    assert checks.called[-2:] == ["numbers_differ", "oracle"]
+    assert checks.called[-2:] == ["differs_from_jax", "oracle"]
 
 
 def test_a_failed_reference_comes_after_the_sharding(checks):
@@ -84,7 +147,10 @@ def test_the_judge_skips_what_is_not_comparable_and_blames_a_failed_reference_on
     with pytest.raises(pytest.skip.Exception, match="local batch statistics"):
         judge_fit(SPEC, result, reference, 1)
     failed = types.SimpleNamespace(ok=False, values=[None], story=lambda: "rank 0: it raised")
+    recorded = []
     with pytest.raises(CellFailure) as failure:
-        judge_fit(SPEC, result, failed, 1)
+        judge_fit(SPEC, result, failed, 1, record=recorded.append)
     assert failure.value.verdict == ERROR and failure.value.result is failed
     assert failure.value.detail == "the single-process reference failed:\nrank 0: it raised"
+    assert recorded[0][fit_checks.VARIABLE_LAYOUTS][0] == HELD  # recorded before the verdict is raised
+    assert recorded[0][fit_checks.SINGLE_PROCESS_NUMBERS][0] == NOT_REACHED

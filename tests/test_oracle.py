@@ -212,6 +212,10 @@ def test_reference_on_a_release_catches_a_shared_maths_bug_and_falls_back(keras_
     assert lion["reference"] == (f"same build (fallback: keras 3.15.1 at {release} lacks it: "
                                  "NotInBuild: keras.optimizers.Lion does not exist in this build)")
     assert lion["oracle"] == "no: no rule for keras.optimizers.Lion"
+    # said once for the run too, not only in the cell's record
+    assert (f"single-process reference: 1 cells fell back to the same build: keras 3.15.1 at {release} lacks it: "
+            "NotInBuild: keras.optimizers.Lion does not exist in this build (e.g. test_fit[lion-arrays-nojit-colshard])"
+            ) in proc.stdout
     properties = {p.get("name"): p.get("value") for p in ET.parse(junit).getroot().find("testsuite/properties")}
     fit = "conformance/test_fit.py::test_fit"
     assert properties[f"{fit}[sgd-arrays-nojit-colshard] reference"] == f"keras 3.15.1 at {release}"

@@ -89,3 +89,18 @@ def test_relative_links_point_to_files_that_exist():
     assert relative, "README links to no file of the repository: the parser missed them"
     missing = [t for t in relative if not (README.parent / t.split("#", 1)[0]).exists()]
     assert missing == []
+
+
+def test_the_promise_table_is_the_suites_promises():
+    """One row per promise, in the report's order: its title and what its checks prove (``Promise.scope``)."""
+    from conformance.promises import PROMISES
+
+    lines = README.read_text(encoding="utf-8").splitlines()
+    start = lines.index("| promise | what its checks prove, and where they cannot |")
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append(cells(line))
+    assert rows == [[f"`{p.name}`", f"{p.title}: {p.scope}"] for p in PROMISES]
+    assert all(p.scope for p in PROMISES), "every promise says what its checks prove"

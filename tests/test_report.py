@@ -232,3 +232,19 @@ def test_fit(broken_ranks):
     (cell,) = report["cells"]
     assert (cell["verdict"], cell["outcome"]) == ("error", "failed"), result.stdout
     assert "the ranks could not start" in cell["message"]
+
+
+def test_a_reference_that_fell_back_is_said_once_per_reason():
+    from keras_dtensor_conformance.report.recorder import CellRecord
+    from keras_dtensor_conformance.report.results import build_report, fallback_lines
+
+    def cell(id, reference):
+        return CellRecord(id, f"x::{id}", "fit colshard", "r", "c", {}, verdict="pass", outcome="passed",
+                          reference=reference)
+
+    why = "keras 3.15.1 at /r lacks it: NotInBuild: keras.optimizers.Lion does not exist in this build"
+    report = build_report([cell("a", f"same build (fallback: {why})"), cell("b", "keras 3.15.1 at /r"),
+                           cell("c", f"same build (fallback: {why})")], {}, 1.0)
+    assert report["reference_fallbacks"] == [{"reference": "same build", "why": why, "cells": 2, "example": "a"}]
+    assert fallback_lines(report) == [f"single-process reference: 2 cells fell back to the same build: {why} (e.g. a)"]
+    assert fallback_lines(build_report([cell("b", "keras 3.15.1 at /r")], {}, 1.0)) == []

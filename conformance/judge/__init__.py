@@ -17,6 +17,7 @@ from keras_dtensor_conformance import (
     ERROR,
     HANG_CONSEQUENCES,
     HANG_VERDICT,
+    NOT_APPLICABLE,
     NUMERICS,
     SHARDING_LOST,
     CellFailure,
@@ -24,7 +25,7 @@ from keras_dtensor_conformance import (
 )
 
 from conformance.judge import agreement, data_sharding, fit_checks, oracle
-from conformance.judge.op_checks import op_failure
+from conformance.judge.op_checks import op_checks
 from conformance.judge.sharding import mesh_shape
 
 
@@ -58,30 +59,35 @@ def skip_if_not_in_build(result) -> None:
 # The checks of a trained cell's evidence, and their order, are ``conformance.judge.fit_checks``
 # (plain functions, which a training cell's standalone reproducer inlines); judge_fit raises what they find.
 def numbers_match_oracle(spec: dict, values: list[dict], reference: dict) -> tuple[str, str] | None:
-    """In the oracle's core set, the reference and every rank equal the NumPy oracle.
+    """In the oracle's core set, the reference and every rank equal the NumPy oracle (None), else
+    their failure; outside it, ``(NOT_APPLICABLE, why)``.
 
     The reference comparison cannot see a maths bug the single-process and distributed runs
     share; the oracle (``conformance/judge/oracle.py``) is written from Keras' documented update
     rules and imports no Keras. The reference's losses, evaluate, predict and final weights, and
     every rank's final (global) weights, must match it, each from its own initial weights.
     """
-    if oracle.scope(spec) is not None:
-        return None
+    gap = oracle.scope(spec)
+    if gap is not None:
+        return NOT_APPLICABLE, gap
     problems = oracle.reference_problems(spec, reference, "the single-process reference: ")
     problems += oracle.distributed_problems(spec, values)
     return (NUMERICS, "\n".join(problems)) if problems else None
 
 
-def judge_fit(spec: dict, result, reference, nproc: int, jax: dict | None = None) -> None:
+def judge_fit(spec: dict, result, reference, nproc: int, jax: dict | None = None, record=None) -> None:
     """A training cell: ran, kept its sharding, matched the reference (and the NumPy oracle in its
     core set, and ``jax``, the JAX reference's evidence, where one ran), and compiled if asked:
-    ``fit_checks.fit_failure``'s checks, in its order. A cell
-    whose numbers the reference does not define is skipped with the reason."""
+    ``fit_checks.fit_checks``' checks, in its order, each one's outcome handed to ``record`` (the
+    ``record_checks`` fixture) before the verdict is raised. A cell whose numbers the reference
+    does not define is skipped with the reason."""
     ran_everywhere(result)
     values = result.values
     evidence = reference.values[0] if reference.ok else None
-    found = fit_checks.fit_failure(spec, values, nproc, evidence,
-                                   oracle=lambda: numbers_match_oracle(spec, values, evidence), jax=jax)
+    found, outcomes = fit_checks.fit_checks(spec, values, nproc, evidence,
+                                            oracle=lambda: numbers_match_oracle(spec, values, evidence), jax=jax)
+    if record is not None:
+        record(outcomes)
     if found is None:
         return
     verdict, message = found
@@ -93,14 +99,17 @@ def judge_fit(spec: dict, result, reference, nproc: int, jax: dict | None = None
 
 
 # ---------------------------------------------------------------- op cells
-def judge_op(op: str, compile_mode: str, result) -> None:
+def judge_op(op: str, compile_mode: str, result, record=None) -> None:
     """An op cell: ran, equals the same op on plain tensors, kept its placements, and compiled when asked.
 
     The checks are ``conformance.judge.op_checks`` (plain functions of the ranks' evidence), which an op
     cell's standalone reproducer inlines: the script and the suite judge with the same code.
     """
     ran_everywhere(result)
-    raise_found(op_failure(op, compile_mode, result.values), result)
+    found, outcomes = op_checks(op, compile_mode, result.values)
+    if record is not None:
+        record(outcomes)
+    raise_found(found, result)
 
 
 # ---------------------------------------------------------------- setup cells

@@ -38,8 +38,13 @@ update of a sharded variable is elementwise on its shards, and what needs the wh
 **What it cannot see**: a full-size copy made by a DTensor op the build chose to make one (e.g.
 an elementwise op against a Replicate operand of the variable's shape), or by plain-tensor
 collectives on local parts that never reach the optimizer as a gradient; a jit cell's compiled
-step (the measured step is eager: dynamo compiles nothing under a dispatch mode); DataParallel
-(DDP's all-reduce of whole gradients is its contract: nothing is judged there).
+step (the measured step is eager: dynamo compiles nothing under a dispatch mode).
+
+**DataParallel's budget** is DDP's contract: one step synchronises each gradient once (DDP's
+buckets all-reduce every gradient's bytes; a build that synchronises by other means moves the same
+bytes), plus scalars (collectives of at most ``SCALAR_BYTES``: the loss, metrics). More is
+``over-budget``, with the collectives and the bytes over; the report gives each cell's bytes moved
+and its gradients' bytes (``figures``).
 """
 
 from __future__ import annotations
@@ -110,9 +115,46 @@ def by_ranks(values: list[dict]) -> list[str]:
     return [f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {line}" for line, r in ranks.items()]
 
 
+#: A collective of at most this many bytes on a rank carries scalars (the loss, a metric's total and
+#: count), not gradients: DataParallel's budget does not count it.
+SCALAR_BYTES = 64
+
+
+def gradient_bytes(value: dict) -> int:
+    """The bytes of the gradients this rank handed the optimizer in the measured step."""
+    return sum(g.get("bytes", 0) for g in value["communication"]["gradients"])
+
+
+def synchronised_bytes(value: dict) -> tuple[int, list[dict]]:
+    """(bytes, calls): the collectives of the measured step larger than ``SCALAR_BYTES``."""
+    calls = [c for c in value["communication"]["calls"] if c["bytes"] > SCALAR_BYTES]
+    return sum(c["bytes"] for c in calls), calls
+
+
+def data_parallel_excess(values: list[dict]) -> list[str]:
+    """DataParallel's budget, per rank: the step's gradient synchronisation moves each gradient's
+    bytes once (DDP's buckets, or any other way), plus scalars. One line per rank over it, naming
+    the collectives and the bytes over."""
+    problems = []
+    for rank, value in enumerate(values):
+        if not value.get("communication"):
+            continue
+        needed = gradient_bytes(value)
+        moved, calls = synchronised_bytes(value)
+        if moved > needed:
+            problems.append(f"rank {rank}: {len(calls)} collectives moved {moved} bytes for {needed} bytes of "
+                            f"gradients ({moved - needed} bytes over): " + ", ".join(_call(c) for c in calls))
+    return problems
+
+
 def over_budget(spec: dict, values: list[dict], nproc: int) -> tuple[str, str] | None:
     """A ModelParallel cell's step made no full-size copy of a sharded variable, its gradient or
-    an optimizer slot on any rank (``full_size_copies``); other layouts are not judged."""
+    an optimizer slot on any rank (``full_size_copies``); a DataParallel cell's step moved each
+    gradient's bytes once, plus scalars (``data_parallel_excess``)."""
+    if spec["layout"]["kind"] == "data-parallel":
+        problems = data_parallel_excess(values)
+        return (OVER_BUDGET, "one DataParallel train step synchronised more than each gradient once:\n"
+                + "\n".join(problems)) if problems else None
     if spec["layout"]["kind"] != "model-parallel":
         return None
     problems = by_ranks(values)
@@ -131,6 +173,7 @@ def figures(values: list[dict]) -> dict | None:
     return {
         "measured": ranks[0]["measured"],
         "ranks": [{"rank": rank, "count": c["count"], "bytes": c["bytes"], "ops": c["ops"],
-                   "redistributions": len(c["redistributions"])} for rank, c in enumerate(ranks)],
+                   "redistributions": len(c["redistributions"]),
+                   "gradient_bytes": sum(g.get("bytes", 0) for g in c["gradients"])} for rank, c in enumerate(ranks)],
         "full_size_copies": by_ranks(values),
     }

@@ -17,13 +17,29 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from keras_dtensor_conformance import COMPILE_FALLBACK, ERROR, NUMERICS, SHARDING_LOST
+from keras_dtensor_conformance import (
+    COMPILE_FALLBACK,
+    ERROR,
+    FAILED,
+    HELD,
+    JAX_BACKEND_DIFFERS,
+    NOT_APPLICABLE,
+    NOT_REACHED,
+    NUMERICS,
+    SHARDING_LOST,
+)
 
-from conformance.judge.communication import over_budget
+from conformance.judge.communication import over_budget, sharded_variables
 from conformance.judge.compile_evidence import compile_problems
-from conformance.judge.jax_compare import BOTH_SHARE, expected_layouts, numbers_differ_from_jax, slot_counts
-from conformance.judge.numerics import numerics_problems
-from conformance.judge.sharding import sharding_problems
+from conformance.judge.jax_compare import (
+    BOTH_SHARE,
+    JAX_IS_WRONG,
+    expected_layouts,
+    numbers_differ_from_jax,
+    slot_counts,
+)
+from conformance.judge.numerics import numerics_problems, reported_problems
+from conformance.judge.sharding import laid_out, sharding_problems
 from conformance.judge.slots import slot_problems
 
 
@@ -34,32 +50,79 @@ def reference_spec(spec: dict) -> dict:
                 layout={"kind": "single"}, layout_name="single")
 
 
-def sharding_lost(spec: dict, values: list[dict], nproc: int, jax: dict | None = None) -> tuple[str, str] | None:
-    """Every variable the layout shards, and every optimizer slot of it, is a DTensor as asked; and
+def sharding_checks(spec: dict, values: list[dict], nproc: int,
+                    jax: dict | None = None) -> tuple[tuple[str, str] | None, dict[str, tuple[str, str]]]:
+    """(what failed, as ``(verdict, message)`` or None; the outcomes of ``VARIABLE_LAYOUTS`` and
+    ``SLOT_LAYOUTS``). One look at the variables and their slots: a cell that lost either is one
+    ``sharding-lost`` verdict, and each of the two checks says whether it held, failed or could not
+    fail (nothing laid out to hold to).
+
+    Every variable the layout shards, and every optimizer slot of it, is a DTensor as asked; and
     every such variable has exactly the slots its optimizer keeps (``conformance.judge.slots``), so a
     slot the rank side could not find is a failure, not an empty list that passes.
 
     With ``jax`` (the JAX reference's evidence), what is asked is what the same build's JAX backend
     made of the same LayoutMap: each variable's and slot's layout, and each sharded variable's slot
     counts (``jax_compare``); without it, the layout map and the hand-written ``axes.SLOTS``."""
-    problems = []
+    variable_problems, slot_lines = [], []
     layout = spec["layout"]
     want = expected_layouts(jax, layout, nproc) if jax is not None else None
     counts = slot_counts(jax, layout, nproc) if jax is not None else None
     source = " (as the JAX backend lays it out)" if jax is not None else ""
     for rank, value in enumerate(values):
         for stage, variables in value["stages"].items():
-            problems += sharding_problems(layout, variables, nproc, f"rank {rank} after {stage}: ", rank=rank,
-                                          want=want)
+            variable_problems += sharding_problems(layout, variables, nproc, f"rank {rank} after {stage}: ",
+                                                   rank=rank, want=want)
         full = [s for s in value["slots"] if s["factor"] is None]
-        problems += sharding_problems(layout, full, nproc, f"rank {rank} optimizer slot ", rank=rank, want=want)
+        slot_lines += sharding_problems(layout, full, nproc, f"rank {rank} optimizer slot ", rank=rank, want=want)
         missing = slot_problems(spec["optimizer_name"], layout, value["stages"]["fit"], value["slots"], nproc,
                                 f"rank {rank}: ", rank=rank, counts=counts)
         if missing and value["unmatched_optimizer_variables"]:
             missing.append(f"rank {rank}: optimizer variables that match no model variable: "
                            + ", ".join(value["unmatched_optimizer_variables"]))
-        problems += missing
-    return (SHARDING_LOST, "\n".join(p + source for p in problems)) if problems else None
+        slot_lines += missing
+    first = values[0] if values else {"stages": {"fit": []}, "slots": []}
+    variables = laid_out(layout, first["stages"]["fit"], nproc, want)
+    slots = laid_out(layout, [s for s in first["slots"] if s["factor"] is None], nproc, want)
+    outcomes = {
+        VARIABLE_LAYOUTS: _outcome(variable_problems, variables, "the layout asks no variable for a layout"),
+        SLOT_LAYOUTS: _outcome(slot_lines, slots, "no optimizer slot of a laid-out variable to hold to its layout"
+                               if variables else "the layout asks no variable for a layout"),
+    }
+    problems = variable_problems + slot_lines
+    return ((SHARDING_LOST, "\n".join(p + source for p in problems)) if problems else None), outcomes
+
+
+def _outcome(problems: list[str], judged: list, why_not: str) -> tuple[str, str]:
+    """A check's outcome: failed on its problems (the first one said), held where it judged
+    something (``judged``: what, counted), else not applicable (``why_not``)."""
+    if problems:
+        return FAILED, problems[0]
+    return (HELD, f"{len(judged)} judged") if judged else (NOT_APPLICABLE, why_not)
+
+
+def sharding_lost(spec: dict, values: list[dict], nproc: int, jax: dict | None = None) -> tuple[str, str] | None:
+    """``sharding_checks``' finding alone."""
+    return sharding_checks(spec, values, nproc, jax)[0]
+
+
+def communication_scope(spec: dict, values: list[dict]) -> str | None:
+    """None when ``communication.over_budget`` can fail on this cell, else why it cannot: it judges
+    an eager step's gradient synchronisation under DataParallel and ModelParallel's split
+    variables, so a ModelParallel cell whose layout splits no variable (replicated, a model axis of
+    one) has nothing it could reject, and a jit cell's compiled step is not the step measured."""
+    if not all(v.get("communication") for v in values):
+        return "no step was measured"
+    if spec["layout"]["kind"] == "model-parallel" and not any(sharded_variables(v["stages"]["fit"]) for v in values):
+        return "no variable is split on any rank"
+    if spec["compile"] == "jit":
+        return "the measured step is eager; the compiled step's communication is not recorded"
+    return None
+
+
+def step_communication(spec: dict, values: list[dict], nproc: int) -> tuple[str, str] | None:
+    """``communication.over_budget`` where ``communication_scope`` says it can fail (elsewhere None)."""
+    return over_budget(spec, values, nproc) if communication_scope(spec, values) is None else None
 
 
 def reference_elsewhere(values: list[dict], reference: dict) -> tuple[str, str] | None:
@@ -89,6 +152,30 @@ def local_batch_statistics(values: list[dict]) -> str | None:
             "batch's: numbers not comparable")
 
 
+def global_batch_scope(spec: dict, values: list[dict]) -> str | None:
+    """None when ``global_batch_differs`` can fail on this cell, else why it cannot."""
+    if len({v["batch_part"][0] for v in values}) < 2:
+        return "one batch shard: every process feeds the whole batch"
+    if spec["compile"] == "spe4":
+        return "steps_per_execution=4 reports its first loss after three updates"
+    if not all(v["step_losses"] for v in values):
+        return "no step loss reported"
+    return None
+
+
+def global_batch_differs(spec: dict, values: list[dict], reference: dict) -> tuple[str, str] | None:
+    """The first step's loss, which no update has touched yet, equals the single process's on every
+    rank: the processes' own parts made the global batch (a rank reporting its local loss is
+    accepted as ``numerics.reported_problems`` accepts it). Judged where there are several batch
+    shards (``global_batch_scope``); a wrong forward pass fails it too."""
+    if global_batch_scope(spec, values) is not None:
+        return None
+    firsts = [{"first step loss": v["step_losses"][:1], "batch_part": v["batch_part"]} for v in values]
+    problems = reported_problems("first step loss", firsts, reference["step_losses"][:1])
+    return (NUMERICS, "the processes' input did not make the single process's global batch (the first step's "
+            "loss, before any update, differs): " + "\n".join(problems)) if problems else None
+
+
 def numbers_differ(values: list[dict], reference: dict) -> tuple[str, str] | None:
     """Losses, evaluate, predict and final weights against the single-process reference's, and the
     ranks against each other (``conformance.judge.numerics``)."""
@@ -100,12 +187,27 @@ def numbers_differ(values: list[dict], reference: dict) -> tuple[str, str] | Non
 
 def differs_from_jax(spec: dict, values: list[dict], jax: dict | None) -> tuple[str, str] | None:
     """The ranks (which the single-process torch reference has just passed) against the same build's
-    JAX backend (``jax_compare``): a difference here is a bug of the torch backend's own code that
-    the single-process and distributed torch runs share."""
+    JAX backend (``jax_compare``), as ``(NUMERICS, what differs)``: which backend is wrong is for
+    ``arbitrate`` to say."""
     if jax is None:
         return None
     problems = numbers_differ_from_jax(spec["optimizer_name"], values, jax)
-    return (NUMERICS, BOTH_SHARE + ": " + "\n".join(problems)) if problems else None
+    return (NUMERICS, "\n".join(problems)) if problems else None
+
+
+def arbitrate(jax_found: tuple[str, str], oracle_found: tuple[str, str] | None) -> tuple[str, str]:
+    """The verdict of a cell whose torch runs agree with each other and not with JAX, from the
+    NumPy oracle's outcome (None: it held; ``(NOT_APPLICABLE, why)``; else its failure).
+
+    The oracle siding with torch clears the torch backend: ``jax-backend-differs``, naming the JAX
+    backend. Siding with neither, or against torch, is the torch backend's bug both torch runs
+    share. Without an oracle for the cell, the difference is said without claiming a side."""
+    differences = jax_found[1]
+    if oracle_found is None:
+        return JAX_BACKEND_DIFFERS, (f"{JAX_IS_WRONG}: {differences}")
+    if oracle_found[0] == NOT_APPLICABLE:
+        return NUMERICS, f"{BOTH_SHARE}; no NumPy oracle says which backend is right ({oracle_found[1]}): {differences}"
+    return NUMERICS, f"{BOTH_SHARE}, and the NumPy oracle disagrees with torch too: a torch-backend bug: {differences}"
 
 
 def not_compiled(spec: dict, values: list[dict]) -> tuple[str, str] | None:
@@ -129,34 +231,90 @@ def not_compiled(spec: dict, values: list[dict]) -> tuple[str, str] | None:
 NOT_COMPARABLE = "not-comparable"
 NO_REFERENCE = "no-reference"
 
+#: A trained cell's checks, in ``fit_checks``' order: the promises (``conformance/promises.py``)
+#: name them, and a cell's record carries each one's outcome.
+VARIABLE_LAYOUTS = "variable-layouts"
+SLOT_LAYOUTS = "slot-layouts"
+STEP_COMMUNICATION = "step-communication"
+GLOBAL_BATCH = "global-batch"
+SINGLE_PROCESS_NUMBERS = "single-process-numbers"
+JAX_NUMBERS = "jax-numbers"
+ORACLE_NUMBERS = "oracle-numbers"
+COMPILED = "compiled"
+CHECKS = (VARIABLE_LAYOUTS, SLOT_LAYOUTS, STEP_COMMUNICATION, GLOBAL_BATCH, SINGLE_PROCESS_NUMBERS, JAX_NUMBERS,
+          ORACLE_NUMBERS, COMPILED)
 
-def fit_failure(spec: dict, values: list[dict], nproc: int, reference: dict | None,
-                oracle: Callable[[], tuple[str, str] | None] | None = None,
-                jax: dict | None = None) -> tuple[str, str] | None:
-    """The first check a trained cell fails, as ``(verdict, message)``, or None: it passes.
+#: The oracle a reproducer has: none (the suite's judge passes its own).
+NO_ORACLE = (NOT_APPLICABLE, "the NumPy oracle is not run here")
+
+
+def fit_checks(spec: dict, values: list[dict], nproc: int, reference: dict | None,
+               oracle: Callable[[], tuple[str, str] | None] | None = None,
+               jax: dict | None = None) -> tuple[tuple[str, str] | None, dict[str, tuple[str, str]]]:
+    """(what the cell found, as ``fit_failure`` says it; each check's ``(outcome, why)``, in ``CHECKS``' order).
 
     The order: the sharding (which needs no reference, so a cell that lost it says so whatever
     became of the reference); the communication of a step (``communication.over_budget``: no
     full-size copy of a variable the sharding check has just held to its layout); the reference
     itself (that it ran, ``reference`` None being ``NO_REFERENCE``, and on the ranks' device);
-    whether its numbers are comparable (else
-    ``(NOT_COMPARABLE, why)``); the numbers against single-process torch (a distribution bug),
-    then against ``jax``, the same build's JAX backend, when one ran (a torch-backend bug both torch
-    runs share; ``jax`` also defines the layouts the sharding check expects); ``oracle``, a further
-    check of the numbers that the caller may add (the suite's NumPy oracle); and compilation
-    last, since a step that computes the wrong numbers or loses its sharding is that failure
-    whether or not it compiled.
+    whether its numbers are comparable (else ``(NOT_COMPARABLE, why)``); the global batch and the
+    numbers against single-process torch (a distribution bug); then against ``jax``, the same
+    build's JAX backend, when one ran, with ``oracle`` (the suite's NumPy oracle: None when it
+    holds, ``(NOT_APPLICABLE, why)`` outside its scope, else its failure) to arbitrate a
+    difference (``arbitrate``); and compilation last, since a step that computes the wrong numbers
+    or loses its sharding is that failure whether or not it compiled. A check after the first
+    failure is not reached; a check that cannot fail on the cell is not applicable, with why.
     """
-    found = sharding_lost(spec, values, nproc, jax) or over_budget(spec, values, nproc)
-    if found is not None:
+    outcomes: dict[str, tuple[str, str]] = {}
+
+    def finish(found, reached: int):
+        for name in CHECKS[reached:]:
+            outcomes.setdefault(name, (NOT_REACHED, "an earlier check failed" if found else "the cell stopped"))
+        return found, {name: outcomes[name] for name in CHECKS}
+
+    def record(name, found, scope=None):
+        outcomes[name] = (FAILED, found[1].splitlines()[0]) if found else (
+            (NOT_APPLICABLE, scope) if scope else (HELD, ""))
         return found
+
+    found, layouts = sharding_checks(spec, values, nproc, jax)
+    outcomes.update(layouts)
+    if found is not None:
+        return finish(found, 2)
+    found = record(STEP_COMMUNICATION, step_communication(spec, values, nproc), communication_scope(spec, values))
+    if found is not None:
+        return finish(found, 3)
     if reference is None:
-        return NO_REFERENCE, "the single-process reference failed"
-    found = reference_elsewhere(values, reference)
+        return finish((NO_REFERENCE, "the single-process reference failed"), 3)
+    why = reference_elsewhere(values, reference)
+    if why is None:
+        local = local_batch_statistics(values)
+        why = (NOT_COMPARABLE, local) if local else None
+    if why is not None:
+        return finish(why, 3)
+    batch = record(GLOBAL_BATCH, global_batch_differs(spec, values, reference), global_batch_scope(spec, values))
+    found = record(SINGLE_PROCESS_NUMBERS, numbers_differ(values, reference)) or batch
     if found is not None:
-        return found
-    why = local_batch_statistics(values)
-    if why:
-        return NOT_COMPARABLE, why
-    return (numbers_differ(values, reference) or differs_from_jax(spec, values, jax)
-            or (oracle() if oracle is not None else None) or not_compiled(spec, values))
+        return finish(found, 5)
+    jax_found = record(JAX_NUMBERS, differs_from_jax(spec, values, jax),
+                       None if jax is not None else "the JAX backend did not run")
+    oracle_found = oracle() if oracle is not None else NO_ORACLE
+    oracle_applicable = oracle_found is None or oracle_found[0] != NOT_APPLICABLE
+    record(ORACLE_NUMBERS, oracle_found if oracle_applicable else None,
+           None if oracle_applicable else oracle_found[1])
+    if jax_found is not None:
+        found = arbitrate(jax_found, oracle_found)
+        if found[0] != JAX_BACKEND_DIFFERS:
+            return finish(found, 7)
+    elif oracle_applicable and oracle_found is not None:
+        return finish(oracle_found, 7)
+    compiled = record(COMPILED, not_compiled(spec, values), None if spec["compile"] == "jit" else "not a jit cell")
+    return finish(compiled or found, 8)
+
+
+def fit_failure(spec: dict, values: list[dict], nproc: int, reference: dict | None,
+                oracle: Callable[[], tuple[str, str] | None] | None = None,
+                jax: dict | None = None) -> tuple[str, str] | None:
+    """The first check a trained cell fails, as ``(verdict, message)``, or None: it passes
+    (``fit_checks``, which says the order)."""
+    return fit_checks(spec, values, nproc, reference, oracle, jax)[0]

@@ -117,7 +117,11 @@ def slot_counts(jax: dict, layout: dict, nproc: int):
 
 
 # ---------------------------------------------------------------- numbers
-BOTH_SHARE = "torch differs from JAX while single-process and distributed torch agree: a torch-backend bug both share"
+#: The headline of a difference from JAX, which claims no side (``fit_checks.arbitrate`` says which, where it can).
+BOTH_SHARE = "torch differs from JAX while single-process and distributed torch agree"
+#: The headline of a difference the NumPy oracle arbitrates for torch.
+JAX_IS_WRONG = ("the JAX backend differs from torch, and the NumPy oracle sides with torch: a bug of Keras' JAX "
+                "backend (or of code only it runs), not of the torch backend")
 
 
 def reported_steps(values: list[dict], jax: dict) -> dict:

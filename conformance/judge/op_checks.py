@@ -5,18 +5,23 @@
 ``conformance/reproducible.py``), so the script a contributor runs judges with the suite's own
 rules, not a copy of them. That is why nothing here raises pytest's or the plugin's exceptions:
 each check returns ``(verdict, message)`` for the first rank whose evidence fails it, or None.
-The verdict names are plain strings (a reproducer inlines them by value) and the only other
-import is rank_ops' list of ops whose result is not a tensor, which a reproducer inlines before
-this module.
+The verdict and outcome names are plain strings (a reproducer inlines them by value); nothing
+of the rank side is imported (whether a result is a tensor is in the evidence).
 
 The evidence is what ``rank_ops.op_cell`` returns on each rank, in rank order.
 """
 
 from __future__ import annotations
 
-from keras_dtensor_conformance import COMPILE_FALLBACK, NUMERICS, SHARDING_LOST
-
-from conformance.ranks.ops import NOT_A_TENSOR
+from keras_dtensor_conformance import (
+    COMPILE_FALLBACK,
+    FAILED,
+    HELD,
+    NOT_APPLICABLE,
+    NOT_REACHED,
+    NUMERICS,
+    SHARDING_LOST,
+)
 
 
 def op_value_matches(values: list[dict]) -> tuple[str, str] | None:
@@ -56,15 +61,20 @@ def placements_kept(got: list[str] | None, want: list[str] | None) -> bool:
     return len(got) == len(want) and all(map(placement_kept, got, want))
 
 
+def no_tensor(values: list[dict]) -> bool:
+    """The op's result is no tensor (a NumPy array, a shape, a bool): its twin is none
+    (``ranks/ops.OPS``), so the ranks report no expected placements."""
+    return all(v["expected_placements"] is None for v in values)
+
+
 def op_placements_kept(op: str, values: list[dict]) -> tuple[str, str] | None:
     """A tensor result is a DTensor that keeps what DTensor's own propagation gives (``placement_kept``).
 
     The expected placements come from torch: the same computation in plain torch on the same
     DTensor (each op's ``twin`` in ``ranks/ops.OPS``; one list of placements per torch spelling of
-    it, any of which is right). Ops whose result is no tensor (no twin) are exempt, as data
-    (``ranks/ops.NOT_A_TENSOR``).
+    it, any of which is right). Ops whose result is no tensor (no twin: ``no_tensor``) are exempt.
     """
-    if op in NOT_A_TENSOR:
+    if no_tensor(values):
         return None
     for rank, value in enumerate(values):
         got, want = value["placements"], value["expected_placements"]
@@ -93,8 +103,43 @@ def op_really_compiled(compile_mode: str, values: list[dict]) -> tuple[str, str]
     return None
 
 
+#: An op cell's checks, in ``op_checks``' order (the promises name them).
+OP_VALUE = "op-value"
+OP_PLACEMENTS = "op-placements"
+OP_COMPILED = "op-compiled"
+OP_CHECKS = (OP_VALUE, OP_PLACEMENTS, OP_COMPILED)
+
+
+def op_scope(check: str, op: str, compile_mode: str, values: list[dict]) -> str | None:
+    """None when ``check`` can fail on this op cell, else why it cannot."""
+    if check == OP_PLACEMENTS and no_tensor(values):
+        return "the result is no tensor: no placement to compare"
+    if check == OP_COMPILED and compile_mode != "compiled":
+        return "not a compiled cell"
+    if check == OP_COMPILED and all(v["control_graphs"] == 0 for v in values):
+        return "the same function compiles no graph on plain tensors either"
+    return None
+
+
+def op_checks(op: str, compile_mode: str, values: list[dict]) -> tuple[tuple[str, str] | None, dict]:
+    """(the first failed check's ``(verdict, message)`` or None; each check's ``(outcome, why)``),
+    in the order a reader would ask: is the value right, is it still sharded, was it compiled."""
+    runs = ((OP_VALUE, lambda: op_value_matches(values)), (OP_PLACEMENTS, lambda: op_placements_kept(op, values)),
+            (OP_COMPILED, lambda: op_really_compiled(compile_mode, values)))
+    outcomes, found = {}, None
+    for name, run in runs:
+        scope = op_scope(name, op, compile_mode, values)
+        if found is not None:
+            outcomes[name] = (NOT_REACHED, "an earlier check failed")
+        elif scope is not None:
+            outcomes[name] = (NOT_APPLICABLE, scope)
+        else:
+            found = run()
+            outcomes[name] = (FAILED, found[1].splitlines()[0]) if found else (HELD, "")
+    return found, outcomes
+
+
 def op_failure(op: str, compile_mode: str, values: list[dict]) -> tuple[str, str] | None:
-    """The first failed check's ``(verdict, message)`` of a cell that ran on every rank, in the
-    order a reader would ask: is the value right, is it still sharded, was it compiled; None: it passes."""
-    return (op_value_matches(values) or op_placements_kept(op, values)
-            or op_really_compiled(compile_mode, values))
+    """The first failed check's ``(verdict, message)`` of a cell that ran on every rank (``op_checks``);
+    None: it passes."""
+    return op_checks(op, compile_mode, values)[0]
