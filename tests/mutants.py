@@ -65,6 +65,56 @@ SLOW_OPTIMIZER = Mutant(
 )
 
 
+_DDP_WRAP = (
+    "                object.__setattr__(\n"
+    "                    self,\n"
+    '                    "ddp_model",\n'
+    "                    DistributedDataParallel(\n"
+    "                        self,\n"
+    "                        device_ids=device_ids,\n"
+    "                        process_group=process_group,\n"
+    "                        find_unused_parameters=False,\n"
+    "                    ),\n"
+    "                )\n"
+)
+_BEFORE_UPDATE = "            # Update weights\n            with torch.no_grad():\n"
+
+#: A correct DataParallel written differently (issue 25, item 5): no DistributedDataParallel; the
+#: weights broadcast once from the group's first process, every gradient all-reduced and averaged
+#: after backward. It moves each gradient's bytes once, as DDP's buckets do.
+DATAPARALLEL_WITHOUT_DDP = Mutant(
+    "dataparallel-without-ddp",
+    "a DataParallel trainer that synchronises by hand: weights broadcast once, each gradient all-reduced once",
+    (Patch("keras/src/backend/torch/trainer.py",
+           "        if torch.distributed.is_initialized() and self.ddp_model is None:\n",
+           "        if (torch.distributed.is_initialized() and self.ddp_model is None\n"
+           "                and getattr(self, '_sync_group', None) is None):  # mutant\n"),
+     Patch("keras/src/backend/torch/trainer.py", _DDP_WRAP,
+           "                group = process_group or dist.group.WORLD  # mutant: no DDP\n"
+           "                for v in self.weights:\n"
+           "                    dist.broadcast(v.value.data, src=dist.get_global_rank(group, 0), group=group)\n"
+           "                object.__setattr__(self, '_sync_group', group)\n"),
+     Patch("keras/src/backend/torch/trainer.py", _BEFORE_UPDATE,
+           "            group = getattr(self, '_sync_group', None)  # mutant: each gradient once\n"
+           "            for g in gradients if group is not None else ():\n"
+           "                if g is not None:\n"
+           "                    dist.all_reduce(g, group=group)\n"
+           "                    g.div_(dist.get_world_size(group))\n" + _BEFORE_UPDATE)),
+)
+
+#: DataParallel synchronising every gradient a second time after DDP averaged it: the numbers are
+#: identical (an average of equal values), the traffic twice.
+DATAPARALLEL_DOUBLE_SYNC = Mutant(
+    "dataparallel-double-sync",
+    "every gradient all-reduced and averaged again after DDP's buckets averaged it",
+    (Patch("keras/src/backend/torch/trainer.py", _BEFORE_UPDATE,
+           "            for g in gradients if self.ddp_model is not None else ():  # mutant: again\n"
+           "                if g is not None:\n"
+           "                    dist.all_reduce(g, group=self.ddp_model.process_group)\n"
+           "                    g.div_(dist.get_world_size(self.ddp_model.process_group))\n" + _BEFORE_UPDATE),),
+)
+
+
 def slow_step(fraction: float) -> Mutant:
     """Every optimizer update adds ``fraction`` of a training step's CPU time in busy host work.
 
@@ -583,6 +633,73 @@ CASES = (
            "torch._foreach_mul(average_grads, average_grads),\n                alpha=-1,",
            "torch._foreach_mul(average_grads, average_grads),\n                alpha=1,  # mutant"),
       )),
+    # ---- issue 25, item 4: a correct torch backend with a wrong JAX backend. The base optimizer's
+    # weight decay, which the torch backend overrides (TorchOptimizer._apply_weight_decay), forgets the
+    # learning rate: only the JAX reference runs it. The NumPy oracle models AdamW and sides with
+    # torch, so the cell names the JAX backend instead of failing the torch backend.
+    Case(
+        Mutant("jax-backend-weight-decay", "the base optimizer's weight decay without the learning rate (code only "
+               "the JAX backend runs)",
+               (Patch("keras/src/optimizers/base_optimizer.py",
+                      "variable.assign(variable - variable * wd * lr)",
+                      "variable.assign(variable - variable * wd)  # mutant: lr left out"),)),
+        {"test_fit[adamw-arrays-nojit-colshard]": "jax-backend-differs"},
+        tier=_fit_ids("adamw-arrays-nojit-colshard", "adam-arrays-nojit-colshard"),
+    ),
+    # ---- issue 25, item 3: a mutant for every promise and every check that can hold. These four
+    # break what no other mutant of the kit breaks: the global batch, an op's value, a setup entry
+    # point and a scenario.
+    Case(
+        Mutant("per-process-batch-split-again", "distribute_data_input takes each process's batch for the global "
+               "one and splits it again over the batch axis (the shard count counted twice)",
+               (Patch(TORCH + "distribution_lib.py",
+                      "    return torch_distributed_tensor.DTensor.from_local(\n        per_process_batch,\n",
+                      "    if isinstance(layout.placements[0], torch_distributed_tensor.Shard):  # mutant: split again\n"
+                      "        count, index = layout.device_mesh.size(0), layout.device_mesh.get_coordinate()[0]\n"
+                      "        rows = per_process_batch.shape[0] // count\n"
+                      "        per_process_batch = per_process_batch[index * rows:(index + 1) * rows]\n"
+                      "    return torch_distributed_tensor.DTensor.from_local(\n        per_process_batch,\n"),)),
+        {"test_fit[adam-arrays-nojit-batchshard]": "numerics"},
+        tier=_fit_ids("adam-arrays-nojit-batchshard", "adam-arrays-nojit-colshard", "adam-arrays-nojit-dataparallel"),
+    ),
+    Case(
+        Mutant("promote-plain-as-partial", "the promotion mode makes a plain operand a Partial DTensor, not a "
+               "Replicate one: every rank's copy is summed",
+               (Patch(TORCH + "ops/core.py", "    placements = [Replicate()] * len(mesh.shape)\n",
+                      "    placements = [torch.distributed.tensor.Partial()] * len(mesh.shape)  # mutant\n"),)),
+        # relu has no plain operand: its value holds, and its compiled cell fails to compile as on
+        # the unmutated build (the op-compiled check's failure, which no mutant adds).
+        {"test_op[subtract-tensor-shard1-eager]": "numerics", "test_op[relu-shard0-compiled]": "compile-fallback"},
+        tier=("conformance/test_ops.py::test_op[subtract-tensor-shard1-eager]",
+              "conformance/test_ops.py::test_op[relu-shard0-eager]",
+              "conformance/test_ops.py::test_op[relu-shard0-compiled]"),
+    ),
+    Case(
+        Mutant("list-devices-local", "keras.distribution.list_devices() names this process's device only",
+               (Patch(TORCH + "distribution_lib.py", '    return [f"{display_type}:{i}" for i in range(count)]\n',
+                      '    return [f"{display_type}:0"]  # mutant: this process\'s device only\n'),)),
+        {"test_setup[list-devices]": "error"},
+        tier=("conformance/test_setup.py::test_setup[list-devices]", "conformance/test_setup.py::test_setup[device-mesh]",
+              *_fit_ids("adam-arrays-nojit-colshard")),
+    ),
+    Case(
+        Mutant("clear-session-keeps-distribution", "clear_session() leaves the distribution and its promotion mode "
+               "in place", (Patch("keras/src/backend/common/global_state.py",
+                                  "    distribution_lib.set_distribution(None)\n",
+                                  "    pass  # mutant: the distribution survives clear_session\n"),)),
+        {"test_scenario[clear-session-undoes-distribution]": "error"},
+        tier=("conformance/test_scenarios.py::test_scenario[clear-session-undoes-distribution]",
+              *_fit_ids("adam-arrays-nojit-colshard")),
+    ),
+    # ---- issue 25, item 5: DataParallel's communication budget, and a correct build without DDP.
+    Case(DATAPARALLEL_DOUBLE_SYNC,
+         {"test_fit[adam-arrays-nojit-dataparallel]": "over-budget", "test_fit[sgd-dataloader-nojit-dataparallel]":
+          "over-budget"},
+         tier=_fit_ids("adam-arrays-nojit-dataparallel", "sgd-dataloader-nojit-dataparallel",
+                       "adam-arrays-nojit-colshard")),
+    Case(DATAPARALLEL_WITHOUT_DDP, {},
+         tier=_fit_ids("adam-arrays-nojit-dataparallel", "sgd-dataloader-nojit-dataparallel",
+                       "adam-arrays-eager-dataparallel", "adam-arrays-nojit-colshard")),
     Case(
         Mutant("accumulation-no-divide", "gradient accumulation applies the SUM of its steps' gradients, not their mean",
                (Patch("keras/src/optimizers/base_optimizer.py",
@@ -712,6 +829,8 @@ CASES = (*CASES, *STATE_CASES)
 #: Cells of some mutant's tier that the unmutated build fails, each with its verdict: the build's own bug
 #: (in its expectations file too), in a tier so that a correct rewrite shows the cell passes without it.
 UNMUTATED_FAILS = {"test_metrics[max-dataparallel]": "numerics", "test_metrics[max-batchshard]": "numerics",
+                   # dynamo compiles no frame under the promotion dispatch mode
+                   "test_op[relu-shard0-compiled]": "compile-fallback",
                    "test_reconcile[dataparallel]": "numerics", "test_checkpoint[modelcheckpoint-dataparallel]": "error",
                    # issue 19: get_data_adapter refuses to shard anything but tf.data and PyDataset
                    **{f"test_keras_sharded[{n}]": "data-not-sharded" for n in (

@@ -123,7 +123,8 @@ def test_the_default_build_is_measured_fully_capable(keras_nightly_tree, tmp_pat
     assert build.capability_notes == {
         "torch_distribution_lib": f"{MESH_CALL} is a torch DeviceMesh of shape (1,) over ('model',)",
         "model_parallel": "a sharded Dense kernel is a DTensor placed (Shard(dim=1),) on a mesh over ('model',)",
-        "data_parallel": "train_on_batch under DataParallel ran DistributedDataParallel.forward 1 time(s)",
+        "data_parallel": "train_on_batch under DataParallel reduced 168 bytes in 3 collective(s) for 160 bytes of "
+                         "gradients (DistributedDataParallel.forward ran 1 time(s))",
     }
     assert build.skip_reason is None
 
@@ -188,9 +189,20 @@ def test_data_parallel_is_measured_not_grepped(keras_nightly_tree, tmp_path):
     header = build.header_lines(2, "gloo")[2]
     assert header == (
         "keras torch-distribution capabilities: torch_distribution_lib=yes, model_parallel=yes, data_parallel=no "
-        "(train_on_batch under DataParallel ran DistributedDataParallel.forward 0 time(s))"
+        "(train_on_batch under DataParallel reduced 8 bytes in 2 collective(s) for 160 bytes of gradients "
+        "(DistributedDataParallel.forward ran 0 time(s)))"
     )
     assert build.skip_reason is None  # DataParallel cells run, and get their verdicts
+
+
+def test_data_parallel_is_judged_by_synchronised_gradients_not_by_ddp(keras_nightly_tree, tmp_path):
+    """A correct build written differently: no DistributedDataParallel, every gradient all-reduced
+    and averaged after backward. It synchronises, so it supports DataParallel."""
+    from tests.mutants import DATAPARALLEL_WITHOUT_DDP
+
+    build = probe(write_mutant(keras_nightly_tree, str(tmp_path / "tree"), DATAPARALLEL_WITHOUT_DDP), tmp_path)
+    assert build.capabilities == FULL_SUPPORT
+    assert build.capability_notes["data_parallel"].endswith("(DistributedDataParallel.forward ran 0 time(s))")
 
 
 def test_a_shipped_but_unreachable_distribution_lib_is_no_support(fork_without_lib, tmp_path):
@@ -242,21 +254,24 @@ def _train_step_does(statement: str, name: str) -> Mutant:
         "            with torch.no_grad():\n"),))
 
 
-DDP_PROBE = "Train one batch under DataParallel and count DistributedDataParallel.forward calls"
+DDP_PROBE = "Train one batch under DataParallel and measure the bytes its collectives reduce"
 
 
-def test_a_probe_that_hangs_is_a_no_that_says_so(keras_nightly_tree, tmp_path):
+def test_a_probe_that_hangs_is_unknown_and_says_so(keras_nightly_tree, tmp_path):
     """A train step that waits (for a peer the one-process group does not have) gets an answer
-    within the probe's limit, not an import that times out after minutes."""
+    within the probe's limit, not an import that times out after minutes: "unknown", since a probe
+    that did not return measured nothing of the build."""
     tree = write_mutant(keras_nightly_tree, str(tmp_path / "tree"),
                         _train_step_does("__import__('time').sleep(3600)", "train-step-waits"))
     build = probe_build(LaunchConfig(keras_path=tree, keras_home=str(tmp_path)), timeout=120, group_probe_limit=5)
     assert build.capabilities == {"torch_distribution_lib": True, "model_parallel": True, "data_parallel": False}
     assert build.capability_notes["data_parallel"] == f"probe hung: did not return within 5s ({DDP_PROBE})"
+    assert build.header_lines(2, "gloo")[2].endswith(
+        f"data_parallel=unknown (probe hung: did not return within 5s ({DDP_PROBE}))")
     assert build.skip_reason is None  # the cells run, and the hang gets its own verdict there
 
 
-def test_a_probe_that_crashes_is_a_no_that_says_so(keras_nightly_tree, tmp_path):
+def test_a_probe_that_crashes_is_unknown_and_says_so(keras_nightly_tree, tmp_path):
     """A rank-0-only ``recv`` in a one-process gloo group segfaults (measured): what the probe
     printed before it started says which capability killed it."""
     tree = write_mutant(keras_nightly_tree, str(tmp_path / "tree"), _train_step_does(
@@ -273,9 +288,10 @@ def test_a_probe_that_crashes_is_a_no_that_says_so(keras_nightly_tree, tmp_path)
 MESH_PROBE = "Build a keras.distribution.DeviceMesh's backend mesh"
 
 
-def test_a_mesh_probe_that_crashes_is_no_support_that_says_so(keras_nightly_tree, tmp_path):
-    """The device mesh is now built in the process group, under the same protections: a build
-    whose mesh kills the process is "no support", naming the probe, and the others are unmeasured."""
+def test_a_mesh_probe_that_crashes_is_unknown_and_its_cells_run(keras_nightly_tree, tmp_path):
+    """The device mesh is built in the process group, under the same protections: a build whose
+    mesh kills the process is "unknown", naming the probe, and the others are unmeasured; its cells
+    are not skipped as unsupported, so they show the crash themselves."""
     tree = write_mutant(keras_nightly_tree, str(tmp_path / "tree"), Mutant(
         "torch-mesh-segfaults", "a torch mesh conversion that kills the process",
         (Patch("keras/src/backend/torch/distribution_lib.py", "def _to_backend_mesh(device_mesh):\n",
@@ -289,4 +305,8 @@ def test_a_mesh_probe_that_crashes_is_no_support_that_says_so(keras_nightly_tree
         "data_parallel": "not measured: an earlier probe ended the process",
     }
     note = build.capability_notes["torch_distribution_lib"]
-    assert build.skip_reason.endswith(f"has no torch distribution support: {note}")
+    assert build.header_lines(2, "gloo")[2] == (
+        f"keras torch-distribution capabilities: torch_distribution_lib=unknown ({note}), model_parallel=unknown "
+        "(not measured: an earlier probe ended the process), data_parallel=unknown (not measured: an earlier "
+        "probe ended the process)")
+    assert build.skip_reason is None

@@ -21,6 +21,8 @@ from tests import mutants
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CAUGHT: dict[str, bool] = {}
+#: mutant name -> its session's JSON report (written by ``mutant_runs``).
+REPORTS: dict = {}
 
 
 #: Mutant sessions run two at a time: one session keeps about 1.4 of the 2 cores busy (its ranks
@@ -54,7 +56,9 @@ def mutant_runs(request, keras_nightly_tree, shared_cache, tmp_path_factory):
         lane = threading.current_thread().name
         cache = caches.setdefault(lane, os.path.join(shared_cache, lane))
         build = mutants.write_mutant(keras_nightly_tree, str(out / case.mutant.name), case.mutant)
-        return run_suite(build, tier(request, case), out, case.rank_timeout, cache_dir=cache)
+        verdicts = run_suite(build, tier(request, case), out, case.rank_timeout, cache_dir=cache)
+        REPORTS[case.mutant.name] = out / "report.json"
+        return verdicts
 
     pool = ThreadPoolExecutor(SIDE_BY_SIDE, thread_name_prefix="mutant-lane")
     futures = {case.mutant.name: pool.submit(run, case) for case in selected}
@@ -104,6 +108,33 @@ def test_mutant_gets_exactly_its_verdicts(case, mutant_runs, request):
     else:
         changed = sum(v != "pass" for v in verdicts.values())
         print(f"{case.mutant.name}: {changed} of {len(verdicts)} default-tier cells do not pass")
+
+
+def test_every_promise_and_every_check_is_broken_by_a_mutant(mutant_runs, request):
+    """No unfalsifiable claim: each promise the suite reports is BROKEN in some mutant's report,
+    and each check that can say "held" failed in some mutant's cells (the evidence the promise
+    counts). A promise or check no mutant of the kit breaks fails here: add the mutant."""
+    from conformance.judge.fit_checks import CHECKS
+    from conformance.judge.op_checks import OP_CHECKS
+    from conformance.promises import PROMISES
+
+    if set(mutant_runs) != {case.mutant.name for case in mutants.CASES}:
+        pytest.skip("needs every mutant's session: run tests/test_mutants.py whole")
+    broken: dict[str, list[str]] = {p.name: [] for p in PROMISES}
+    failed: dict[str, list[str]] = {name: [] for name in (*CHECKS, *OP_CHECKS)}
+    for name, future in mutant_runs.items():
+        future.result()
+        with open(REPORTS[name]) as f:
+            report = json.load(f)
+        for promise in report["promises"]:
+            if promise["status"] == "broken":
+                broken.setdefault(promise["name"], []).append(name)
+        for cell in report["cells"]:
+            for check, outcome in (cell.get("checks") or {}).items():
+                if outcome["outcome"] == "failed":
+                    failed.setdefault(check, []).append(name)
+    assert [p for p, names in broken.items() if not names] == [], "promises no mutant breaks"
+    assert [c for c, names in failed.items() if not names] == [], "checks no mutant fails"
 
 
 def mutation_score() -> str | None:
