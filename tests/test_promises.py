@@ -424,3 +424,23 @@ def test_a_promise_counts_a_cell_from_its_checks_outcomes():
     assert "3 cells: kept on 2 where it could fail, not applicable on 1" in line
     # every cell's compile check was not applicable or not reached: none kept it
     assert found["compile"]["kept"] == 0 and found["compile"]["status"] == "not judged"
+
+
+def test_the_html_cell_detail_shows_each_checks_outcome(tmp_path):
+    """A click on a cell shows what each of its checks found, why where not applicable."""
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("no node to run the page's script")
+    cell = with_checks(record("rep", "pass", "passed", layout="replicated"), variable_layouts="not applicable",
+                       single_process_numbers="held")
+    cell.checks["variable-layouts"]["why"] = "the layout asks no variable for a layout"
+    page = tmp_path / "r.html"
+    page.write_text(html_page(report_of([cell])))
+    script = tmp_path / "dom.js"
+    script.write_text(NODE_DOM.replace("addEventListener() {}", "addEventListener(_, f) { this.listener = f; }")
+                      .replace("console.log(", 'els.grids.listener({target: {closest: () => ({dataset: {i: "0"}})}});\n'
+                               "console.log(JSON.stringify(els.details.textContent));\nif (0) console.log("))
+    shown = json.loads(subprocess.run([node, str(script), str(page)], capture_output=True, text=True,
+                                      check=True).stdout)
+    assert "checks:\n  variable-layouts: not applicable (the layout asks no variable for a layout)\n" \
+           "  single-process-numbers: held\n" in shown
