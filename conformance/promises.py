@@ -220,7 +220,7 @@ PROMISES = (
     Promise("ops-give-plain-values", "keras.ops on DTensors give the values they give on plain tensors",
             tests=lambda cell: family(cell) == "ops",
             breaks=lambda cell: family(cell) == "ops" and cell["verdict"] == NUMERICS, checks=(OP_VALUE,),
-            # op_checks.op_checks' order: the value, the placements, then compilation.
+            # op_checks.op_outcomes' order: the value, the placements, then compilation.
             kept_despite=lambda cell: family(cell) == "ops" and cell["verdict"] in (SHARDING_LOST, COMPILE_FALLBACK),
             scope="each op's value on every rank against the same op on plain tensors"),
     Promise("ops-keep-placements", "keras.ops on DTensors keep the placements DTensor's propagation gives",

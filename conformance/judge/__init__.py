@@ -24,8 +24,7 @@ from keras_dtensor_conformance import (
     fail,
 )
 
-from conformance.judge import agreement, data_sharding, fit_checks, oracle
-from conformance.judge.op_checks import op_checks
+from conformance.judge import agreement, data_sharding, fit_checks, op_checks, oracle
 from conformance.judge.sharding import mesh_shape
 
 
@@ -106,7 +105,7 @@ def judge_op(op: str, compile_mode: str, result, record=None) -> None:
     cell's standalone reproducer inlines: the script and the suite judge with the same code.
     """
     ran_everywhere(result)
-    found, outcomes = op_checks(op, compile_mode, result.values)
+    found, outcomes = op_checks.op_outcomes(op, compile_mode, result.values)
     if record is not None:
         record(outcomes)
     raise_found(found, result)

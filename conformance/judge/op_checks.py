@@ -103,7 +103,7 @@ def op_really_compiled(compile_mode: str, values: list[dict]) -> tuple[str, str]
     return None
 
 
-#: An op cell's checks, in ``op_checks``' order (the promises name them).
+#: An op cell's checks, in ``op_outcomes``' order (the promises name them).
 OP_VALUE = "op-value"
 OP_PLACEMENTS = "op-placements"
 OP_COMPILED = "op-compiled"
@@ -121,7 +121,7 @@ def op_scope(check: str, op: str, compile_mode: str, values: list[dict]) -> str 
     return None
 
 
-def op_checks(op: str, compile_mode: str, values: list[dict]) -> tuple[tuple[str, str] | None, dict]:
+def op_outcomes(op: str, compile_mode: str, values: list[dict]) -> tuple[tuple[str, str] | None, dict]:
     """(the first failed check's ``(verdict, message)`` or None; each check's ``(outcome, why)``),
     in the order a reader would ask: is the value right, is it still sharded, was it compiled."""
     runs = ((OP_VALUE, lambda: op_value_matches(values)), (OP_PLACEMENTS, lambda: op_placements_kept(op, values)),
@@ -140,6 +140,6 @@ def op_checks(op: str, compile_mode: str, values: list[dict]) -> tuple[tuple[str
 
 
 def op_failure(op: str, compile_mode: str, values: list[dict]) -> tuple[str, str] | None:
-    """The first failed check's ``(verdict, message)`` of a cell that ran on every rank (``op_checks``);
+    """The first failed check's ``(verdict, message)`` of a cell that ran on every rank (``op_outcomes``);
     None: it passes."""
-    return op_checks(op, compile_mode, values)[0]
+    return op_outcomes(op, compile_mode, values)[0]
