@@ -172,8 +172,8 @@ def figures(values: list[dict]) -> dict | None:
         return None
     return {
         "measured": ranks[0]["measured"],
-        "ranks": [{"rank": rank, "count": c["count"], "bytes": c["bytes"], "ops": c["ops"],
-                   "redistributions": len(c["redistributions"]),
-                   "gradient_bytes": sum(g.get("bytes", 0) for g in c["gradients"])} for rank, c in enumerate(ranks)],
+        "ranks": [{"rank": rank, "count": v["communication"]["count"], "bytes": v["communication"]["bytes"],
+                   "ops": v["communication"]["ops"], "redistributions": len(v["communication"]["redistributions"]),
+                   "gradient_bytes": gradient_bytes(v)} for rank, v in enumerate(values)],
         "full_size_copies": by_ranks(values),
     }
