@@ -9,16 +9,12 @@ import contextlib
 
 
 def _tensors(value) -> list:
-    """The tensors in an op's arguments or result (lists, tuples and dicts of them flattened)."""
+    """The tensors in an op's arguments or result: the leaves of torch's pytree (lists, tuples,
+    dicts and named tuples flattened) that are tensors."""
     import torch
+    from torch.utils._pytree import tree_leaves
 
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _tensors(item)]
-    if isinstance(value, dict):
-        return [t for item in value.values() for t in _tensors(item)]
-    return []
+    return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
 
 
 def _placements(tensor) -> list[str]:
