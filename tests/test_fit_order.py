@@ -100,6 +100,24 @@ def test_after_the_first_failure_the_checks_are_not_reached(checks):
     assert outcomes[fit_checks.JAX_NUMBERS] == outcomes[fit_checks.COMPILED] == NOT_REACHED
 
 
+def test_a_check_not_reached_names_what_stopped_it(checks):
+    """The first failed check, or the reference: a reference is no check, so it is named as itself."""
+    def whys(*args):
+        return {name: why for name, (outcome, why) in fit_checks.fit_checks(*args)[1].items() if outcome == NOT_REACHED}
+
+    checks.failing = {"sharding_lost"}
+    assert set(whys(SPEC, [{}], 1, {}).values()) == {"variable-layouts failed"}
+    checks.failing = {"step_communication"}
+    assert set(whys(SPEC, [{}], 1, {}).values()) == {"step-communication failed"}
+    checks.failing = set()
+    assert set(whys(SPEC, [{}], 1, None).values()) == {"the single-process reference failed"}
+    checks.failing = {"local_batch_statistics"}
+    assert set(whys(SPEC, [{}], 1, {}).values()) == {
+        "the numbers cannot be compared with the single process's: local batch statistics"}
+    checks.failing = {"numbers_differ"}
+    assert set(whys(SPEC, [{}], 1, {}).values()) == {"single-process-numbers failed"}
+
+
 def test_what_cannot_fail_on_a_cell_is_not_applicable(checks):
     nojit = dict(SPEC, compile="nojit")
     outcomes = outcomes_of(nojit, [{}], 1, {})  # no JAX run, no oracle (a reproducer's)

@@ -267,9 +267,12 @@ def fit_checks(spec: dict, values: list[dict], nproc: int, reference: dict | Non
     """
     outcomes: dict[str, tuple[str, str]] = {}
 
-    def finish(found, reached: int):
+    def finish(found, reached: int, why: str | None = None):
+        failed = [name for name in CHECKS if outcomes.get(name, ("",))[0] == FAILED]
+        why = why or (("the cell stopped" if not found else f"{failed[0]} failed" if failed
+                       else "an earlier check failed"))
         for name in CHECKS[reached:]:
-            outcomes.setdefault(name, (NOT_REACHED, "an earlier check failed" if found else "the cell stopped"))
+            outcomes.setdefault(name, (NOT_REACHED, why))
         return found, {name: outcomes[name] for name in CHECKS}
 
     def record(name, found, scope=None):
@@ -285,13 +288,14 @@ def fit_checks(spec: dict, values: list[dict], nproc: int, reference: dict | Non
     if found is not None:
         return finish(found, 3)
     if reference is None:
-        return finish((NO_REFERENCE, "the single-process reference failed"), 3)
+        return finish((NO_REFERENCE, "the single-process reference failed"), 3,
+                      "the single-process reference failed")
     why = reference_elsewhere(values, reference)
     if why is None:
         local = local_batch_statistics(values)
         why = (NOT_COMPARABLE, local) if local else None
     if why is not None:
-        return finish(why, 3)
+        return finish(why, 3, f"the numbers cannot be compared with the single process's: {why[1].splitlines()[0]}")
     batch = record(GLOBAL_BATCH, global_batch_differs(spec, values, reference), global_batch_scope(spec, values))
     found = record(SINGLE_PROCESS_NUMBERS, numbers_differ(values, reference)) or batch
     if found is not None:

@@ -126,15 +126,15 @@ def op_outcomes(op: str, compile_mode: str, values: list[dict]) -> tuple[tuple[s
     in the order a reader would ask: is the value right, is it still sharded, was it compiled."""
     runs = ((OP_VALUE, lambda: op_value_matches(values)), (OP_PLACEMENTS, lambda: op_placements_kept(op, values)),
             (OP_COMPILED, lambda: op_really_compiled(compile_mode, values)))
-    outcomes, found = {}, None
+    outcomes, found, failed = {}, None, None
     for name, run in runs:
         scope = op_scope(name, op, compile_mode, values)
         if found is not None:
-            outcomes[name] = (NOT_REACHED, "an earlier check failed")
+            outcomes[name] = (NOT_REACHED, f"{failed} failed")
         elif scope is not None:
             outcomes[name] = (NOT_APPLICABLE, scope)
         else:
-            found = run()
+            found, failed = run(), name
             outcomes[name] = (FAILED, found[1].splitlines()[0]) if found else (HELD, "")
     return found, outcomes
 
