@@ -58,14 +58,17 @@ def _logs_of(value: dict) -> list[tuple[str, str, float]]:
     """(where, key, value) for every number a user sees on a rank: History, callback logs, evaluate.
 
     ``where`` reads as a user would find it: ``History['mae'] epoch 1``, ``on_epoch_end logs['mae']
-    epoch 1``, ``evaluate()['mae']`` (epochs 1-based, as Keras prints them)."""
+    epoch 1``, ``evaluate()['mae']``, ``test_on_batch() call 2['mae']`` (epochs and calls 1-based, as
+    Keras prints epochs)."""
     found = []
-    for key, per_epoch in value["history"].items():
+    for key, per_epoch in value.get("history", {}).items():
         found += [(f"History[{key!r}] epoch {e + 1}", key, v) for e, v in enumerate(per_epoch)]
-    for e, logs in enumerate(value["epoch_logs"]):
+    for e, logs in enumerate(value.get("epoch_logs", ())):
         found += [(f"on_epoch_end logs[{key!r}] epoch {e + 1}", key, v) for key, v in logs.items()]
     for key, v in value.get("evaluate", {}).items():
         found.append((f"evaluate()[{key!r}]", key, v))
+    for call, logs in enumerate(value.get("calls", ())):  # the on-batch cells' logs, one dict per call
+        found += [(f"{value['api']}() call {call + 1}[{key!r}]", key, v) for key, v in logs.items()]
     return found
 
 
@@ -83,7 +86,7 @@ def logs_differ(what: str, values: list[dict], reference: dict) -> tuple[str, st
             elif not _close(mine[where], first[where], BETWEEN_RANKS):
                 problems.append(f"{where}: rank 0 reports {first[where]:.6g}, rank {rank} {mine[where]:.6g}")
     if problems:
-        return NUMERICS, _message(f"{what}: the ranks' logs differ from each other", problems)
+        return NUMERICS, listed(f"{what}: the ranks' logs differ from each other", problems)
     want = dict(((where, v) for where, _, v in _logs_of(reference)))
     for rank, value in enumerate(values):
         for where, _, got in _logs_of(value):
@@ -95,12 +98,13 @@ def logs_differ(what: str, values: list[dict], reference: dict) -> tuple[str, st
         missing = sorted(set(want) - {where for where, _, _ in _logs_of(value)})
         problems += [f"{where}: rank {rank} does not report it (the reference: {want[where]:.6g})" for where in missing]
     if problems:
-        return NUMERICS, _message(f"{what}: the logs differ from the single-process reference over the global batch",
+        return NUMERICS, listed(f"{what}: the logs differ from the single-process reference over the global batch",
                                   problems)
     return None
 
 
-def _message(head: str, problems: list[str]) -> str:
+def listed(head: str, problems: list[str]) -> str:
+    """``head:`` and the first ``SHOWN`` problems, a line each, then how many more."""
     shown = problems[:SHOWN]
     more = f"\n... and {len(problems) - SHOWN} more" if len(problems) > SHOWN else ""
     return head + ":\n" + "\n".join(shown) + more

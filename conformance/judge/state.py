@@ -27,11 +27,10 @@ import re
 import numpy as np
 from keras_dtensor_conformance import ERROR, NUMERICS, SHARDING_LOST
 
+from conformance.judge.agreement import listed
 from conformance.judge.numerics import compare, ranks_agree, reported_problems
 from conformance.judge.sharding import mesh_coordinate, mesh_shape, shard_size, sharding_problems
 
-#: At most this many problems in one message (the first ones are the cause).
-SHOWN = 8
 #: The loaded optimizer state against the saved: the same numbers written and read back.
 LOADED = {"rtol": 1e-6, "atol": 1e-7}
 
@@ -50,11 +49,6 @@ INITIALIZER_BOUNDS = {
     "Zeros": lambda shape: 0.0,
     "Ones": None,  # constant: checked by the ranks' agreement alone
 }
-
-
-def _message(head: str, problems: list[str]) -> tuple[str, str]:
-    more = f"\n... and {len(problems) - SHOWN} more" if len(problems) > SHOWN else ""
-    return head + ":\n" + "\n".join(problems[:SHOWN]) + more
 
 
 def own_part(variable: dict, rank: int, nproc: int, layout: dict) -> np.ndarray:
@@ -129,22 +123,22 @@ def reconcile_failure(spec: dict, values: list[dict], reference: dict) -> tuple[
     problems = [p for rank, value in enumerate(values) for stage, variables in value["stages"].items()
                 for p in sharding_problems(layout, variables, nproc, f"rank {rank} after {stage}: ", rank=rank)]
     if problems:
-        return SHARDING_LOST, _message("variables lost the layout asked for", problems)
+        return SHARDING_LOST, listed("variables lost the layout asked for", problems)
     for stage in ("built", "fit"):
         problems = reconcile_problems(stage, values, layout)
         if problems:
-            return NUMERICS, _message(f"variables not reconciled between processes after {stage} (each rank "
+            return NUMERICS, listed(f"variables not reconciled between processes after {stage} (each rank "
                                       "seeded differently)", problems)
     problems = initialisation_problems(values)
     if problems:
-        return NUMERICS, _message("the agreed variables are not one global initialisation", problems)
+        return NUMERICS, listed("the agreed variables are not one global initialisation", problems)
     problems = reported_problems("step_losses", values, reference["step_losses"])
     want = {v["path"]: v["global"] for v in reference["stages"]["fit"]}
     for rank, value in enumerate(values):
         problems += [f"rank {rank}: {p}" for v in value["stages"]["fit"]
                      if (p := compare(f"weight {v['path']} after training", v["global"], want[v["path"]]))]
     if problems:
-        return NUMERICS, _message("trained from the agreed weights, the ranks differ from the single-process "
+        return NUMERICS, listed("trained from the agreed weights, the ranks differ from the single-process "
                                   "reference", problems)
     return None
 
@@ -235,19 +229,19 @@ def checkpoint_failure(resume_layout: dict, saves: list[dict], resumes: list[dic
     enough to fail the first check)."""
     problems = writer_problems(saves)
     if problems:
-        return ERROR, _message("every rank wrote the same checkpoint file", problems)
+        return ERROR, listed("every rank wrote the same checkpoint file", problems)
     if any(r is None for r in resumes):
         return ERROR, "a rank did not resume from the checkpoint, though no file had two writers"
     problems = loaded_layout_problems(resume_layout, resumes)
     if problems:
-        return SHARDING_LOST, _message("the loaded model lost the layout it was loaded under", problems)
+        return SHARDING_LOST, listed("the loaded model lost the layout it was loaded under", problems)
     problems = optimizer_state_problems(saves[0]["saved_optimizer"], resumes)
     if problems:
-        return NUMERICS, _message("the optimizer state loaded differs from the state saved", problems)
+        return NUMERICS, listed("the optimizer state loaded differs from the state saved", problems)
     problems = resumed_problems(saves, resumes)
     problems += ranks_agree(resumes)
     if problems:
-        return NUMERICS, _message("training resumed from the checkpoint differs from the same training "
+        return NUMERICS, listed("training resumed from the checkpoint differs from the same training "
                                   "uninterrupted", problems)
     return None
 
