@@ -139,6 +139,11 @@ def agreement(cell: dict) -> bool:
     return "metric" in cell["axes"] or "callback" in cell["axes"]
 
 
+def on_batch(cell: dict) -> bool:
+    """A cell that calls an on-batch or inference API as a user's loop does (``test_on_batch.py``)."""
+    return family(cell) == "on-batch"
+
+
 def state(cell: dict, kind: str) -> bool:
     """A state cell (``test_state.py``) of ``kind``: ``reconcile`` or ``checkpoint``."""
     return family(cell) == "state" and cell["axes"].get("state") == kind
@@ -191,6 +196,14 @@ PROMISES = (
             "of a single process", tests=agreement, breaks=lambda cell: agreement(cell) and (cell["verdict"] in (
                 NUMERICS, HANG_VERDICT) or judged_error(cell)),
             scope="metrics' logs and callbacks' decisions on every rank against a single process's"),
+    # issue 27, item 3: the on-batch and inference APIs (test_on_batch.py, family "on-batch")
+    Promise("on-batch-apis-agree", "train_on_batch, test_on_batch, predict_on_batch, evaluate and predict give "
+            "every rank what a single process gives", tests=on_batch, breaks=lambda cell: on_batch(cell) and (
+                cell["verdict"] in (NUMERICS, HANG_VERDICT) or judged_error(cell)),
+            scope="each call's logs on every rank against a single process's over the global batch, the "
+                  "predictions of the rows each rank fed (every column), the weights after train_on_batch; "
+                  "hand-fed (each process its own batch): Keras' own sharding of evaluate and predict is "
+                  "keras-shards-input's"),
     Promise("numbers-match-single-process", "numbers match a single process (reference and NumPy oracle)",
             tests=fit, breaks=lambda cell: fit(cell) and cell["verdict"] == NUMERICS,
             kept_despite=fit_checked_before(COMPILE_FALLBACK),

@@ -444,3 +444,17 @@ def test_the_html_cell_detail_shows_each_checks_outcome(tmp_path):
                                       check=True).stdout)
     assert "checks:\n  variable-layouts: not applicable (the layout asks no variable for a layout)\n" \
            "  single-process-numbers: held\n" in shown
+
+
+def test_on_batch_cells_test_and_break_on_batch_apis_agree():
+    """The cells of conformance/test_on_batch.py (family ``on-batch``) are what the promise is about:
+    a passing one keeps it, a numerics one breaks it, an exception on a rank does not (it breaks
+    runs-to-the-end); a training cell does not test it."""
+    kept = record("evaluate-colshard", "pass", "passed", family="on-batch", api="evaluate", layout="colshard")
+    broken = record("test_on_batch-dataparallel", "numerics", "failed", family="on-batch", api="test_on_batch",
+                    layout="dataparallel")
+    plain = record("adam-fit", "pass", "passed")
+    states = {c["id"]: c["promises"] for c in report_of([kept, broken, plain])["cells"]}
+    assert states["evaluate-colshard"]["on-batch-apis-agree"] == "kept"
+    assert states["test_on_batch-dataparallel"]["on-batch-apis-agree"] == "broken"
+    assert "on-batch-apis-agree" not in states["adam-fit"]

@@ -24,7 +24,7 @@ from keras_dtensor_conformance import (
     fail,
 )
 
-from conformance.judge import agreement, data_sharding, fit_checks, op_checks, oracle
+from conformance.judge import agreement, data_sharding, fit_checks, on_batch, op_checks, oracle
 from conformance.judge.sharding import mesh_shape
 
 
@@ -232,6 +232,15 @@ def judge_agreement(spec: dict, result, reference) -> None:
     if verdict == agreement.NO_REFERENCE:
         raise CellFailure(ERROR, "the single-process reference failed:\n" + reference.story(), reference)
     raise CellFailure(verdict, message if result.ok else f"{message}\nthen: {result.summary()}", result)
+
+
+def judge_on_batch(spec: dict, result, reference) -> None:
+    """An on-batch cell: ran everywhere, then ``on_batch.on_batch_failure``'s checks against the
+    single process's run over the global batch."""
+    ran_everywhere(result)
+    if not reference.ok:
+        raise CellFailure(ERROR, "the single-process reference failed:\n" + reference.story(), reference)
+    raise_found(on_batch.on_batch_failure(spec, result.values, reference.values[0]), result)
 
 
 # ---------------------------------------------------------------- Keras-sharded data cells
