@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+from conformance import cell_data
+
 
 # ------------------------------------------------------------------ optimizers
 @dataclasses.dataclass(frozen=True)
@@ -205,8 +207,24 @@ LAYOUTS = {
 }
 
 MODELS = ("mlp", "embedding", "attention", "batchnorm")
+#: LoRA fine-tuning (issue 27, item 2): the MLP with LoRA on both Dense layers, its LoRA kernels left
+#: to the build by the LayoutMap (``lora``) or sharded with their kernel (``lora-sharded``).
+LORA_MODELS = cell_data.LORA_MODELS
 
 check_optimizers(OPTIMIZERS)  # here: a row's default_cells are checked against the axes above
+
+
+def lora_layout(layout: dict) -> dict:
+    """``layout`` whose LayoutMap also shards each Dense kernel's LoRA kernels along the kernel's own
+    split: ``a`` (inputs x rank) on the kernel's input axis, ``b`` (rank x units) on its output axis."""
+    extra = {}
+    for key, axes in layout.get("map", {}).items():
+        if key.endswith("dense.*kernel"):
+            stem = key[:-len("kernel")]
+            for name, lora_axes in (("lora_kernel_a", [axes[0], None]), ("lora_kernel_b", [None, axes[1]])):
+                if any(lora_axes):  # the other one stays the build's (replicated)
+                    extra[stem + name] = lora_axes
+    return {**layout, "map": {**extra, **layout["map"]}} if extra else layout
 
 
 def cell_spec(model: str, optimizer: str, data: str, compile_mode: str, layout: str) -> dict:
@@ -216,7 +234,7 @@ def cell_spec(model: str, optimizer: str, data: str, compile_mode: str, layout: 
         "optimizer_name": optimizer,
         "data": data,
         "compile": compile_mode,
-        "layout": LAYOUTS[layout],
+        "layout": lora_layout(LAYOUTS[layout]) if model == "lora-sharded" else LAYOUTS[layout],
         "layout_name": layout,
     }
 
@@ -263,7 +281,9 @@ def training_cells(full: bool) -> list[tuple]:
     cells += _product(MODELS, ["adam"], ["arrays"], ["nojit"], LAYOUTS)
     cells += _product(["mlp"], ["sgd", "adam"], ["arrays", "dataloader"], COMPILE_MODES, LAYOUTS)
     cells += HAND_FED_SOURCES_OFF_COLUMN  # issue 19 item 4
+    cells += _product(LORA_MODELS, ["adam"], ["arrays"], ["nojit"], LAYOUTS)  # issue 27 item 2
     if full:
+        cells += _product(LORA_MODELS, ["sgd", "adam", "adamw"], ["arrays", "dataloader"], COMPILE_MODES, LAYOUTS)
         cells += _product(["mlp"], OPTIMIZERS, DATA_SOURCES, ["nojit", "jit"], ["colshard"])
         cells += _product(MODELS, OPTIMIZERS, ["arrays", "dataloader"], COMPILE_MODES, ["colshard", "rowshard"])
         cells += _product(MODELS, ["adam"], DATA_SOURCES, COMPILE_MODES, LAYOUTS)

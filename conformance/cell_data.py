@@ -18,6 +18,11 @@ SAMPLES = STEPS * BATCH
 VOCAB = 20
 #: The mesh axes of every layout, in order: (batch, model).
 MESH_AXES = ("batch", "model")
+#: The MLP with LoRA of this rank on both Dense layers (``ranks/train.build_model``), fed the MLP's
+#: data; ``lora-sharded``'s LayoutMap also shards the LoRA kernels along their base kernel's split
+#: (``axes.lora_layout``), ``lora``'s leaves them to the build.
+LORA_MODELS = ("lora", "lora-sharded")
+LORA_RANK = 2
 
 
 def mesh_shape(layout: dict, nproc: int) -> tuple[int, ...]:

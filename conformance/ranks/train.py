@@ -13,15 +13,26 @@ import warnings
 import numpy as np
 from keras_dtensor_conformance import rank_context
 
-from conformance.cell_data import BATCH, SAMPLES, STEPS, VOCAB, batch_part, local_part, local_rows, make_arrays
+from conformance.cell_data import (
+    BATCH,
+    LORA_MODELS,
+    LORA_RANK,
+    SAMPLES,
+    STEPS,
+    VOCAB,
+    batch_part,
+    local_part,
+    local_rows,
+    make_arrays,
+)
 from conformance.ranks.feeding import fit_inputs
 from conformance.ranks.step_communication import measure_step_communication
 
 #: Read from here by the other rank modules and the tests (``rank_train.BATCH``): the cell's data
 #: (``conformance.cell_data``), its feeding and the step's communication, besides ``train``.
 __all__ = ["BATCH", "SAMPLES", "STEPS", "VOCAB", "batch_part", "build_model", "build_optimizer", "describe_variable",
-           "fit_inputs", "local_part", "local_rows", "make_arrays", "make_distribution", "measure_step_communication",
-           "model_name", "train"]
+           "fit_inputs", "frozen_paths", "local_part", "local_rows", "make_arrays", "make_distribution",
+           "measure_step_communication", "model_name", "train"]
 
 
 def _device_type(variable) -> str:
@@ -50,6 +61,11 @@ def model_name(spec: dict) -> str:
     return "twoinput" if spec["data"] == "dict" else spec["model"]
 
 
+def frozen_paths(model) -> list[str]:
+    """The kernels LoRA froze: what training must leave exactly as it was."""
+    return [layer._kernel.path for layer in model._flatten_layers() if getattr(layer, "lora_enabled", False)]
+
+
 def build_model(name: str):
     import keras
 
@@ -57,6 +73,13 @@ def build_model(name: str):
         layers = [keras.Input((8,)), keras.layers.Dense(16, activation="relu", name="dense_a"),
                   keras.layers.Dense(4, name="dense_b")]
         return keras.Sequential(layers, name="mlp")
+    if name in LORA_MODELS:
+        # The MLP fine-tuned with LoRA of rank 2 on both Dense layers: their kernels frozen, the LoRA
+        # kernels (a: inputs x 2, he_uniform; b: 2 x units, zeros) trained; biases trained as well.
+        model = build_model("mlp")
+        for layer in ("dense_a", "dense_b"):
+            model.get_layer(layer).enable_lora(LORA_RANK)
+        return model
     if name == "batchnorm":
         # No bias before BatchNormalization (it cancels it): a bias whose true gradient is zero
         # would make Adam amplify rounding noise into full steps, and the numerics check with it.
@@ -295,6 +318,7 @@ def train(spec: dict, distributed: bool = True) -> dict:
                                       if isinstance(layer, keras.layers.BatchNormalization)
                                       and not layer.synchronized],
         "initial_weights": initial_weights,
+        "frozen": frozen_paths(model),
         "device": _device_type(model.weights[0]),
         "weights": {v.path: np.asarray(w) for v, w in zip(model.weights, model.get_weights(), strict=True)},
         "stages": stages,
