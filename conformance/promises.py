@@ -207,10 +207,11 @@ PROMISES = (
     Promise("numbers-match-single-process", "numbers match a single process (reference and NumPy oracle)",
             tests=fit, breaks=lambda cell: fit(cell) and cell["verdict"] == NUMERICS,
             kept_despite=fit_checked_before(COMPILE_FALLBACK),
-            checks=(fit_checks.SINGLE_PROCESS_NUMBERS, fit_checks.ORACLE_NUMBERS),
+            checks=(fit_checks.SINGLE_PROCESS_NUMBERS, fit_checks.ORACLE_NUMBERS, fit_checks.FROZEN_UNCHANGED),
             scope="losses, evaluate, predict and final weights of every rank against single-process torch, and "
-                  "against the NumPy oracle in its scope; not judged where the reference does not define the "
-                  "numbers (BatchNormalization's local statistics under DataParallel: skipped)"),
+                  "against the NumPy oracle in its scope; LoRA's frozen kernels bit-equal before and after "
+                  "training; not judged where the reference does not define the numbers (BatchNormalization's "
+                  "local statistics under DataParallel: skipped)"),
     Promise("agrees-with-jax-backend", "torch computes what the same build's JAX backend computes",
             tests=fit, breaks=(JAX_BACKEND_DIFFERS,), checks=(fit_checks.JAX_NUMBERS,),
             scope="the ranks' numbers against the same build's JAX backend from the same weights; where the "

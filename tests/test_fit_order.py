@@ -18,6 +18,7 @@ from conformance.judge import fit_checks, judge_fit
 SPEC = axes.cell_spec("mlp", "adam", "arrays", "jit", "colshard")
 #: Each check of fit_checks, and what it finds when the test makes it fail.
 CHECKS = {
+    "frozen_changed": (NUMERICS, "frozen kernel changed"),
     "sharding_lost": (SHARDING_LOST, "kernel replicated"),
     "step_communication": ("over-budget", "a full-size copy"),
     "reference_elsewhere": (ERROR, "reference on cpu, ranks on cuda"),
@@ -50,6 +51,7 @@ def checks(monkeypatch):
         monkeypatch.setattr(fit_checks, name, stub(name))
     monkeypatch.setattr(fit_checks, "sharding_checks", sharding)
     monkeypatch.setattr(fit_checks, "communication_scope", lambda *args: None)
+    monkeypatch.setattr(fit_checks, "frozen_scope", lambda *args: None)
     monkeypatch.setattr(fit_checks, "global_batch_scope", lambda *args: None)
     return state
 
@@ -68,13 +70,14 @@ def outcomes_of(*args, **kwargs) -> dict[str, str]:
 def test_every_check_runs_in_order_when_all_pass(checks):
     found, outcomes = fit_checks.fit_checks(SPEC, [{}], 1, {}, oracle=_oracle(checks), jax={})
     assert found is None
-    assert checks.called == ["sharding_lost", "step_communication", "reference_elsewhere", "local_batch_statistics",
+    assert checks.called == ["frozen_changed", "sharding_lost", "step_communication", "reference_elsewhere", "local_batch_statistics",
                              "global_batch_differs", "numbers_differ", "differs_from_jax", "oracle", "not_compiled"]
     assert list(outcomes) == list(fit_checks.CHECKS)
     assert {outcome for outcome, _ in outcomes.values()} == {HELD}
 
 
 @pytest.mark.parametrize("failing, found", [
+    ({"frozen_changed", "sharding_lost", "numbers_differ"}, CHECKS["frozen_changed"]),
     ({"sharding_lost", "numbers_differ", "not_compiled"}, CHECKS["sharding_lost"]),
     ({"step_communication", "numbers_differ"}, CHECKS["step_communication"]),
     ({"reference_elsewhere", "numbers_differ"}, CHECKS["reference_elsewhere"]),
@@ -93,7 +96,7 @@ def test_after_the_first_failure_the_checks_are_not_reached(checks):
     checks.failing = {"step_communication", "numbers_differ"}
     outcomes = outcomes_of(SPEC, [{}], 1, {})
     assert outcomes[fit_checks.VARIABLE_LAYOUTS] == HELD and outcomes[fit_checks.STEP_COMMUNICATION] == FAILED
-    assert {outcomes[name] for name in fit_checks.CHECKS[3:]} == {NOT_REACHED}
+    assert {outcomes[name] for name in fit_checks.CHECKS[4:]} == {NOT_REACHED}
     checks.failing = {"global_batch_differs", "numbers_differ"}  # one step: both judged, both failed
     outcomes = outcomes_of(SPEC, [{}], 1, {})
     assert outcomes[fit_checks.GLOBAL_BATCH] == outcomes[fit_checks.SINGLE_PROCESS_NUMBERS] == FAILED
@@ -105,6 +108,8 @@ def test_a_check_not_reached_names_what_stopped_it(checks):
     def whys(*args):
         return {name: why for name, (outcome, why) in fit_checks.fit_checks(*args)[1].items() if outcome == NOT_REACHED}
 
+    checks.failing = {"frozen_changed"}
+    assert set(whys(SPEC, [{}], 1, {}).values()) == {"frozen-unchanged failed"}
     checks.failing = {"sharding_lost"}
     assert set(whys(SPEC, [{}], 1, {}).values()) == {"variable-layouts failed"}
     checks.failing = {"step_communication"}
@@ -172,3 +177,19 @@ def test_the_judge_skips_what_is_not_comparable_and_blames_a_failed_reference_on
     assert failure.value.detail == "the single-process reference failed:\nrank 0: it raised"
     assert recorded[0][fit_checks.VARIABLE_LAYOUTS][0] == HELD  # recorded before the verdict is raised
     assert recorded[0][fit_checks.SINGLE_PROCESS_NUMBERS][0] == NOT_REACHED
+
+
+def test_a_frozen_kernel_must_end_as_it_began():
+    """``frozen_changed`` on hand-made evidence: a LoRA-frozen kernel that moved is ``numerics``
+    naming it and the rank; one bit-equal passes; a model that freezes nothing cannot fail."""
+    import numpy as np
+
+    kernel = np.ones((2, 2), "float32")
+    still = {"frozen": ["mlp/dense_a/kernel"], "initial_weights": {"mlp/dense_a/kernel": kernel},
+             "weights": {"mlp/dense_a/kernel": kernel.copy()}}
+    moved = dict(still, weights={"mlp/dense_a/kernel": kernel + 1e-7})
+    assert fit_checks.frozen_changed([still, still]) is None and fit_checks.frozen_scope([still, still]) is None
+    verdict, message = fit_checks.frozen_changed([still, moved])
+    assert verdict == NUMERICS and message.startswith("rank 1: frozen mlp/dense_a/kernel changed in training")
+    plain = {"frozen": [], "initial_weights": {}, "weights": {}}
+    assert fit_checks.frozen_scope([plain, plain]) == "the model freezes no variable"

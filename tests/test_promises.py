@@ -458,3 +458,17 @@ def test_on_batch_cells_test_and_break_on_batch_apis_agree():
     assert states["evaluate-colshard"]["on-batch-apis-agree"] == "kept"
     assert states["test_on_batch-dataparallel"]["on-batch-apis-agree"] == "broken"
     assert "on-batch-apis-agree" not in states["adam-fit"]
+
+
+def test_a_frozen_kernel_that_trained_breaks_the_numbers_and_leaves_the_layouts_unjudged():
+    """The frozen check comes first: a LoRA cell whose frozen kernel moved breaks
+    numbers-match-single-process, and the layouts it never reached are not judged, not kept."""
+    lora = with_checks(record("lora-adam-arrays-nojit-colshard", "numerics", "failed",
+                              "rank 0: frozen mlp/dense_a/kernel changed in training", model="lora"),
+                       frozen_unchanged="failed", variable_layouts="not reached", slot_layouts="not reached",
+                       step_communication="not reached", global_batch="not reached",
+                       single_process_numbers="not reached", jax_numbers="not reached",
+                       oracle_numbers="not reached", compiled="not reached")
+    states = {c["id"]: c["promises"] for c in report_of([lora])["cells"]}["lora-adam-arrays-nojit-colshard"]
+    assert states["numbers-match-single-process"] == "broken"
+    assert states["sharded-variables"] == states["sharded-optimizer-state"] == "not judged"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 from keras_dtensor_conformance import (
     COMPILE_FALLBACK,
     ERROR,
@@ -104,6 +105,25 @@ def _outcome(problems: list[str], judged: list, why_not: str) -> tuple[str, str]
 def sharding_lost(spec: dict, values: list[dict], nproc: int, jax: dict | None = None) -> tuple[str, str] | None:
     """``sharding_checks``' finding alone."""
     return sharding_checks(spec, values, nproc, jax)[0]
+
+
+def frozen_changed(values: list[dict]) -> tuple[str, str] | None:
+    """A frozen variable (a kernel LoRA froze: ``frozen`` in the evidence) ends training exactly as
+    it began on every rank. Its change is ``numerics``: the single-process reference would show it
+    only as a difference, this check names the variable."""
+    problems = []
+    for rank, value in enumerate(values):
+        for path in value.get("frozen", ()):
+            before, after = np.asarray(value["initial_weights"][path]), np.asarray(value["weights"][path])
+            if not np.array_equal(before, after):
+                problems.append(f"rank {rank}: frozen {path} changed in training (max abs change "
+                                f"{np.abs(after.astype('float64') - before).max():.3g}): it is not trainable")
+    return (NUMERICS, "\n".join(problems)) if problems else None
+
+
+def frozen_scope(values: list[dict]) -> str | None:
+    """None where ``frozen_changed`` can fail: some variable is frozen."""
+    return None if any(v.get("frozen") for v in values) else "the model freezes no variable"
 
 
 def communication_scope(spec: dict, values: list[dict]) -> str | None:
@@ -235,14 +255,15 @@ NO_REFERENCE = "no-reference"
 #: name them, and a cell's record carries each one's outcome.
 VARIABLE_LAYOUTS = "variable-layouts"
 SLOT_LAYOUTS = "slot-layouts"
+FROZEN_UNCHANGED = "frozen-unchanged"
 STEP_COMMUNICATION = "step-communication"
 GLOBAL_BATCH = "global-batch"
 SINGLE_PROCESS_NUMBERS = "single-process-numbers"
 JAX_NUMBERS = "jax-numbers"
 ORACLE_NUMBERS = "oracle-numbers"
 COMPILED = "compiled"
-CHECKS = (VARIABLE_LAYOUTS, SLOT_LAYOUTS, STEP_COMMUNICATION, GLOBAL_BATCH, SINGLE_PROCESS_NUMBERS, JAX_NUMBERS,
-          ORACLE_NUMBERS, COMPILED)
+CHECKS = (FROZEN_UNCHANGED, VARIABLE_LAYOUTS, SLOT_LAYOUTS, STEP_COMMUNICATION, GLOBAL_BATCH, SINGLE_PROCESS_NUMBERS,
+          JAX_NUMBERS, ORACLE_NUMBERS, COMPILED)
 
 #: The oracle a reproducer has: none (the suite's judge passes its own).
 NO_ORACLE = (NOT_APPLICABLE, "the NumPy oracle is not run here")
@@ -253,8 +274,10 @@ def fit_checks(spec: dict, values: list[dict], nproc: int, reference: dict | Non
                jax: dict | None = None) -> tuple[tuple[str, str] | None, dict[str, tuple[str, str]]]:
     """(what the cell found, as ``fit_failure`` says it; each check's ``(outcome, why)``, in ``CHECKS``' order).
 
-    The order: the sharding (which needs no reference, so a cell that lost it says so whatever
-    became of the reference); the communication of a step (``communication.over_budget``: no
+    The order: frozen variables left as they were (``frozen_changed``: a frozen kernel that trained
+    is the cause of what follows, its optimizer slots among them); the sharding (which needs no
+    reference, so a cell that lost it says so whatever became of the reference); the communication
+    of a step (``communication.over_budget``: no
     full-size copy of a variable the sharding check has just held to its layout); the reference
     itself (that it ran, ``reference`` None being ``NO_REFERENCE``, and on the ranks' device);
     whether its numbers are comparable (else ``(NOT_COMPARABLE, why)``); the global batch and the
@@ -280,26 +303,29 @@ def fit_checks(spec: dict, values: list[dict], nproc: int, reference: dict | Non
             (NOT_APPLICABLE, scope) if scope else (HELD, ""))
         return found
 
+    found = record(FROZEN_UNCHANGED, frozen_changed(values), frozen_scope(values))
+    if found is not None:
+        return finish(found, 1)
     found, layouts = sharding_checks(spec, values, nproc, jax)
     outcomes.update(layouts)
     if found is not None:
-        return finish(found, 2)
+        return finish(found, 3)
     found = record(STEP_COMMUNICATION, step_communication(spec, values, nproc), communication_scope(spec, values))
     if found is not None:
-        return finish(found, 3)
+        return finish(found, 4)
     if reference is None:
-        return finish((NO_REFERENCE, "the single-process reference failed"), 3,
+        return finish((NO_REFERENCE, "the single-process reference failed"), 4,
                       "the single-process reference failed")
     why = reference_elsewhere(values, reference)
     if why is None:
         local = local_batch_statistics(values)
         why = (NOT_COMPARABLE, local) if local else None
     if why is not None:
-        return finish(why, 3, f"the numbers cannot be compared with the single process's: {why[1].splitlines()[0]}")
+        return finish(why, 4, f"the numbers cannot be compared with the single process's: {why[1].splitlines()[0]}")
     batch = record(GLOBAL_BATCH, global_batch_differs(spec, values, reference), global_batch_scope(spec, values))
     found = record(SINGLE_PROCESS_NUMBERS, numbers_differ(values, reference)) or batch
     if found is not None:
-        return finish(found, 5)
+        return finish(found, 6)
     jax_found = record(JAX_NUMBERS, differs_from_jax(spec, values, jax),
                        None if jax is not None else "the JAX backend did not run")
     oracle_found = oracle() if oracle is not None else NO_ORACLE
@@ -309,11 +335,11 @@ def fit_checks(spec: dict, values: list[dict], nproc: int, reference: dict | Non
     if jax_found is not None:
         found = arbitrate(jax_found, oracle_found)
         if found[0] != JAX_BACKEND_DIFFERS:
-            return finish(found, 7)
+            return finish(found, 8)
     elif oracle_applicable and oracle_found is not None:
-        return finish(oracle_found, 7)
+        return finish(oracle_found, 8)
     compiled = record(COMPILED, not_compiled(spec, values), None if spec["compile"] == "jit" else "not a jit cell")
-    return finish(compiled or found, 8)
+    return finish(compiled or found, 9)
 
 
 def fit_failure(spec: dict, values: list[dict], nproc: int, reference: dict | None,
