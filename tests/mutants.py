@@ -791,6 +791,72 @@ ON_BATCH_CASES = (
 CASES = (*CASES, *ON_BATCH_CASES)
 
 
+# [lora] issue 27, item 2: LoRA fine-tuning on a sharded model.
+#: The LoRA cells the LoRA mutants run, on the layouts that split the kernels and on DataParallel,
+#: and MLP cells they must not reach.
+LORA_TIER = (*_fit_ids(*(f"{model}-adam-arrays-nojit-{layout}" for model in ("lora", "lora-sharded")
+                         for layout in ("colshard", "rowshard", "dataparallel"))),
+             *_fit_ids("adam-arrays-nojit-colshard", "adam-arrays-nojit-dataparallel"))
+DENSE = "keras/src/layers/core/dense.py"
+LORA_CASES = (
+    Case(
+        Mutant(
+            "lora-kernels-left-out",
+            "under ModelParallel the train step updates only the LoRA kernels that are DTensors: one the "
+            "LayoutMap does not name (a plain replicated Parameter) is left out of the update",
+            (Patch(TORCH + "trainer.py",
+                   "            trainable_weights = self.trainable_weights[:]\n",
+                   "            trainable_weights = [  # mutant: plain LoRA kernels left out\n"
+                   "                v for v in self.trainable_weights\n"
+                   "                if not isinstance(distribution(), ModelParallel) or \"lora_kernel\" not in v.path\n"
+                   "                or isinstance(v.value, DTensor)\n"
+                   "            ]\n"),),
+        ),
+        # lora-sharded under colshard and rowshard shards one LoRA kernel of each layer: the other is
+        # left out, and with it the update of the pair.
+        {f"test_fit[{model}-adam-arrays-nojit-{layout}]": "numerics" for model in ("lora", "lora-sharded")
+         for layout in ("colshard", "rowshard")},
+        tier=LORA_TIER,
+    ),
+    Case(
+        Mutant(
+            "frozen-flag-lost-on-dtensor",
+            "setting trainable on a sharded (DTensor) variable is ignored: enable_lora cannot freeze a "
+            "sharded kernel, which then trains with the LoRA kernels",
+            (Patch(TORCH + "ops/core.py",
+                   "    def trainable(self, value):\n        self._trainable = value\n",
+                   "    def trainable(self, value):\n"
+                   "        if isinstance(getattr(self._value, \"data\", self._value), DTensor):\n"
+                   "            return  # mutant: a sharded variable keeps its flag\n"
+                   "        self._trainable = value\n"),),
+        ),
+        {f"test_fit[{model}-adam-arrays-nojit-{layout}]": "numerics" for model in ("lora", "lora-sharded")
+         for layout in ("colshard", "rowshard")},
+        tier=LORA_TIER,
+    ),
+    # A correct build written differently: Dense with LoRA computes x @ kernel + scale * (x @ a) @ b,
+    # the low-rank path that never forms the merged kernel, where the nightly adds a @ b to the
+    # kernel first. Both backends run it; every LoRA cell must still pass.
+    Case(
+        Mutant(
+            "lora-low-rank-path",
+            "a correct rewrite, not a bug: LoRA applied on the low-rank path, the merged kernel never formed",
+            (Patch(DENSE,
+                   "    def call(self, inputs, training=None):\n        x = ops.matmul(inputs, self.kernel)\n",
+                   "    def call(self, inputs, training=None):\n"
+                   "        if self.lora_enabled and self._quantized_weight() is None:  # rewrite: low-rank path\n"
+                   "            x = ops.add(ops.matmul(inputs, self._kernel), (self.lora_alpha / self.lora_rank)\n"
+                   "                        * ops.matmul(ops.matmul(inputs, self.lora_kernel_a), self.lora_kernel_b))\n"
+                   "        else:\n"
+                   "            x = ops.matmul(inputs, self.kernel)\n"),),
+        ),
+        {},
+        tier=LORA_TIER,
+    ),
+)
+CASES = (*CASES, *LORA_CASES)
+
+
 # [state] issue 19, items 2 and 3: what Keras must do itself with variables between processes.
 #: The state cells the state mutants run (the default tier's), and a few others that they must not reach.
 STATE_TIER = (*(f"conformance/test_state.py::{cell}" for cell in (
