@@ -27,10 +27,12 @@ TAG_VAR = "SELFTEST_SESSION_TAG"
 collect_ignore = [] if os.environ.get("TORCHELASTIC_RUN_ID") else ["under_torchrun"]
 
 
-def unpacked_wheel(config: pytest.Config, requirement: str) -> str:
-    """``pip download`` one wheel (no dependencies) and unzip it; cached across sessions."""
+def unpacked_wheel(config: pytest.Config, requirement: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """``pip download`` one wheel (no dependencies) and unzip it; cached across sessions in pytest's
+    cache, or for this session alone where the cache is off (``-p no:cacheprovider``)."""
     name = requirement.replace("==", "-")
-    root = config.cache.mkdir(f"keras-tree-{name}")
+    cache = getattr(config, "cache", None)
+    root = cache.mkdir(f"keras-tree-{name}") if cache is not None else tmp_path_factory.mktemp(f"keras-tree-{name}")
     tree = root / "tree"
     if not (tree / "keras" / "__init__.py").exists():
         wheels = root / "wheels"
@@ -51,13 +53,13 @@ def unpacked_wheel(config: pytest.Config, requirement: str) -> str:
 
 
 @pytest.fixture(scope="session")
-def keras_3151_tree(pytestconfig) -> str:
-    return unpacked_wheel(pytestconfig, KERAS_WITHOUT_TORCH_DISTRIBUTION)
+def keras_3151_tree(pytestconfig, tmp_path_factory) -> str:
+    return unpacked_wheel(pytestconfig, KERAS_WITHOUT_TORCH_DISTRIBUTION, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
-def keras_nightly_tree(pytestconfig) -> str:
-    return unpacked_wheel(pytestconfig, KERAS_NIGHTLY)
+def keras_nightly_tree(pytestconfig, tmp_path_factory) -> str:
+    return unpacked_wheel(pytestconfig, KERAS_NIGHTLY, tmp_path_factory)
 
 
 def alive(proc: psutil.Process) -> bool:
