@@ -193,3 +193,18 @@ def test_a_frozen_kernel_must_end_as_it_began():
     assert verdict == NUMERICS and message.startswith("rank 1: frozen mlp/dense_a/kernel changed in training")
     plain = {"frozen": [], "initial_weights": {}, "weights": {}}
     assert fit_checks.frozen_scope([plain, plain]) == "the model freezes no variable"
+
+
+def test_a_frozen_variable_is_owed_no_optimizer_slots_without_jax():
+    """Without the JAX reference's slot counts, the layout map and ``axes.SLOTS`` say which slots a
+    laid-out variable needs: a frozen one (LoRA's kernel, in the evidence's ``frozen``) needs none."""
+    from conformance import axes
+
+    spec = axes.cell_spec("lora", "adam", "arrays", "nojit", "colshard")
+    kernel = {"path": "mlp/dense_a/kernel", "type": "Parameter", "shape": (8, 16), "dtensor": True,
+              "placements": ["R", "S(1)"], "local_shape": (8, 8)}
+    value = {"stages": {"fit": [kernel]}, "slots": [], "unmatched_optimizer_variables": [],
+             "frozen": ["mlp/dense_a/kernel"]}
+    assert fit_checks.sharding_checks(spec, [value], 2)[0] is None
+    found = fit_checks.sharding_checks(spec, [dict(value, frozen=[])], 2)[0]
+    assert found[0] == SHARDING_LOST and "expected 2 optimizer slots for mlp/dense_a/kernel, found 0" in found[1]

@@ -76,7 +76,9 @@ def sharding_checks(spec: dict, values: list[dict], nproc: int,
                                                    rank=rank, want=want)
         full = [s for s in value["slots"] if s["factor"] is None]
         slot_lines += sharding_problems(layout, full, nproc, f"rank {rank} optimizer slot ", rank=rank, want=want)
-        missing = slot_problems(spec["optimizer_name"], layout, value["stages"]["fit"], value["slots"], nproc,
+        # A frozen variable (LoRA's kernel) is not trained, so its optimizer keeps no slots for it.
+        trained = [v for v in value["stages"]["fit"] if v["path"] not in value.get("frozen", ())]
+        missing = slot_problems(spec["optimizer_name"], layout, trained, value["slots"], nproc,
                                 f"rank {rank}: ", rank=rank, counts=counts)
         if missing and value["unmatched_optimizer_variables"]:
             missing.append(f"rank {rank}: optimizer variables that match no model variable: "
