@@ -460,15 +460,30 @@ def test_on_batch_cells_test_and_break_on_batch_apis_agree():
     assert "on-batch-apis-agree" not in states["adam-fit"]
 
 
-def test_a_frozen_kernel_that_trained_breaks_the_numbers_and_leaves_the_layouts_unjudged():
-    """The frozen check comes first: a LoRA cell whose frozen kernel moved breaks
-    numbers-match-single-process, and the layouts it never reached are not judged, not kept."""
-    lora = with_checks(record("lora-adam-arrays-nojit-colshard", "numerics", "failed",
-                              "rank 0: frozen mlp/dense_a/kernel changed in training", model="lora"),
-                       frozen_unchanged="failed", variable_layouts="not reached", slot_layouts="not reached",
-                       step_communication="not reached", global_batch="not reached",
-                       single_process_numbers="not reached", jax_numbers="not reached",
-                       oracle_numbers="not reached", compiled="not reached")
-    states = {c["id"]: c["promises"] for c in report_of([lora])["cells"]}["lora-adam-arrays-nojit-colshard"]
-    assert states["numbers-match-single-process"] == "broken"
-    assert states["sharded-variables"] == states["sharded-optimizer-state"] == "not judged"
+def test_a_frozen_kernel_that_trained_breaks_frozen_stays_frozen_and_leaves_the_rest_unjudged():
+    """The frozen check comes first: a LoRA cell whose frozen kernel moved breaks frozen-stays-frozen,
+    and the layouts and numbers it never reached are not judged, not kept. A LoRA cell that kept its
+    frozen kernel and stopped at its layouts keeps frozen-stays-frozen and has not judged the numbers."""
+    later = dict(variable_layouts="not reached", slot_layouts="not reached", step_communication="not reached",
+                 global_batch="not reached", single_process_numbers="not reached", jax_numbers="not reached",
+                 oracle_numbers="not reached", compiled="not reached")
+    moved = with_checks(record("lora-adam-arrays-nojit-colshard", "numerics", "failed",
+                               "rank 0: frozen mlp/dense_a/kernel changed in training", model="lora"),
+                        frozen_unchanged="failed", **later)
+    lost = with_checks(record("lora-adam-arrays-nojit-rowshard", "sharding-lost", "failed", VARIABLE_LOST,
+                              model="lora", layout="rowshard"),
+                       frozen_unchanged="held", **dict(later, variable_layouts="failed", slot_layouts="held"))
+    plain = with_checks(record("adam-arrays-nojit-colshard", "pass", "passed"), frozen_unchanged="not applicable",
+                        **{name: "held" for name in later})
+    states = {c["id"]: c["promises"] for c in report_of([moved, lost, plain])["cells"]}
+    assert states["lora-adam-arrays-nojit-colshard"]["frozen-stays-frozen"] == "broken"
+    assert states["lora-adam-arrays-nojit-colshard"]["numbers-match-single-process"] == "not judged"
+    assert states["lora-adam-arrays-nojit-colshard"]["sharded-variables"] == "not judged"
+    assert states["lora-adam-arrays-nojit-rowshard"]["frozen-stays-frozen"] == "kept"
+    assert states["lora-adam-arrays-nojit-rowshard"]["numbers-match-single-process"] == "not judged"
+    assert states["adam-arrays-nojit-colshard"]["frozen-stays-frozen"] == "not applicable"
+    # an older report, without check outcomes: the frozen numerics keeps nothing it came before
+    bare = record("lora-adam-arrays-nojit-colshard", "numerics", "failed",
+                  "rank 0: frozen mlp/dense_a/kernel changed in training", model="lora")
+    states = report_of([bare])["cells"][0]["promises"]
+    assert states["frozen-stays-frozen"] == "broken" and states["sharded-variables"] == "not judged"
