@@ -89,3 +89,10 @@ def test_every_api_runs_on_every_layout_and_compiled_under_full():
     assert {mode for _, mode, _ in default} == {"nojit"} and {mode for _, mode, _ in full} == {"nojit", "jit"}
     ids = [p.id for p in on_batch_params(True)]
     assert "train_on_batch-colshard" in ids and "predict-jit-dataparallel" in ids and len(ids) == len(set(ids))
+
+
+def test_a_rank_with_other_weights_than_the_reference_is_one_verdict_not_a_traceback():
+    extra = value("evaluate", 0, initial_weights=[*INITIAL, np.zeros(2, "float32")])
+    verdict, message = judged("evaluate", [extra, value("evaluate", 1)])
+    assert verdict == ERROR and message == ("rank 0 built 2 weights, the single-process reference 1: the runs are "
+                                            "not comparable")

@@ -24,6 +24,9 @@ def started_elsewhere(values: list[dict], reference: dict) -> str | None:
     """The reference must start from the ranks' weights (the same seed; on another device it
     could give others): otherwise nothing after it is comparable."""
     for rank, value in enumerate(values):
+        if len(value["initial_weights"]) != len(reference["initial_weights"]):
+            return (f"rank {rank} built {len(value['initial_weights'])} weights, the single-process reference "
+                    f"{len(reference['initial_weights'])}: the runs are not comparable")
         for i, (got, want) in enumerate(zip(value["initial_weights"], reference["initial_weights"], strict=True)):
             if not np.array_equal(got, want):
                 return (f"rank {rank}'s initial weight {i} differs from the single-process reference's: "
