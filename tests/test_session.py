@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import time
 
 import pytest
@@ -217,10 +218,29 @@ def start_a_hanging_session(inner, *args: str) -> tuple:
     return proc, ranks
 
 
+#: How long an interrupted session may take to end. 60 s was exceeded twice in one clean-clone CI run
+#: (2026-11-25, 3936f2c: both Ctrl-C tests, 76 s each, near the end of 57 minutes of self-tests)
+#: where the same tests end in 40 s alone and under two busy loops: a bound for a loaded 2-core
+#: machine, not a speed requirement.
+INTERRUPTED_SESSION_ENDS_WITHIN = 180
+
+
+def ended(proc) -> str:
+    """The interrupted session's output once it has ended; if it has not within
+    ``INTERRUPTED_SESSION_ENDS_WITHIN``, it is killed and the test fails with what it printed."""
+    try:
+        return proc.communicate(timeout=INTERRUPTED_SESSION_ENDS_WITHIN)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out = proc.communicate()[0]
+        raise AssertionError(f"the interrupted session did not end within {INTERRUPTED_SESSION_ENDS_WITHIN}s; "
+                             f"it printed:\n{out[-4000:]}") from None
+
+
 def test_ctrl_c_leaves_no_process(inner):
     proc, ranks = start_a_hanging_session(inner)
     proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=60)
+    out = ended(proc)
     assert proc.returncode == INTERRUPTED, out
     assert "KeyboardInterrupt" in out
     wait_for(lambda: inner.leftovers() == [] and not any(alive(p) for p in ranks), 15, "no leftover process")
@@ -229,7 +249,7 @@ def test_ctrl_c_leaves_no_process(inner):
 def test_a_cell_interrupted_by_ctrl_c_is_interrupted_not_skipped(inner):
     proc, ranks = start_a_hanging_session(inner, "--conformance-json", "r.json")
     proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=60)
+    out = ended(proc)
     assert proc.returncode == INTERRUPTED, out
     (cell,) = json.loads((inner.pytester.path / "r.json").read_text())["cells"]
     assert (cell["id"], cell["verdict"], cell["outcome"]) == ("test_hangs", None, "interrupted"), cell
@@ -242,7 +262,7 @@ def test_sigterm_ends_the_session_as_ctrl_c_does(inner):
     once, with no summary and no files)."""
     proc, ranks = start_a_hanging_session(inner, "--conformance-json", "r.json", "--conformance-html", "r.html")
     proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=60)
+    out = ended(proc)
     assert proc.returncode == INTERRUPTED, out
     assert "SIGTERM received" in out
     (cell,) = json.loads((inner.pytester.path / "r.json").read_text())["cells"]
