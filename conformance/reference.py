@@ -78,6 +78,7 @@ class References:
         self.pool = pool
         self.other = other
         self._cache: dict[str, Reference] = {}
+        self._runs: dict[str, object] = {}
 
     @staticmethod
     def spec_for(spec: dict) -> dict:
@@ -94,6 +95,16 @@ class References:
         if key not in self._cache:
             self._cache[key] = self._compute(ref)
         return self._cache[key]
+
+    def single_process(self, fn, spec: dict):
+        """The same build's single-process run of rank function ``fn(spec, distributed=False)`` for
+        ``spec`` without layout, eager: its PoolResult, cached (failures too), so cells that differ
+        only in layout or compile mode share one (the agreement and on-batch cells)."""
+        ref = dict(spec, layout={"kind": "single"}, layout_name="single", compile="nojit")
+        key = json.dumps([fn.__module__, fn.__qualname__, ref], sort_keys=True)
+        if key not in self._runs:
+            self._runs[key] = self.pool.run(fn, ref, False)
+        return self._runs[key]
 
     def _compute(self, ref: dict) -> Reference:
         if self.other is None:

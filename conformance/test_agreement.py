@@ -18,13 +18,11 @@ takes every metric and callback over every layout, and the metrics compiled too.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from conformance import axes
 from conformance.judge import judge_agreement
-from conformance.marks import mesh_marks
+from conformance.marks import mesh_marks, row_layout_params
 from conformance.ranks import agreement as rank_agreement
 
 #: A correct build runs a callback cell in a few seconds; a rank that decided alone hangs its
@@ -56,13 +54,7 @@ def callback_cells(full: bool) -> list[tuple[str, str]]:
 
 
 def metric_params(full: bool) -> list:
-    params = []
-    for metric, compile_mode, layout in metric_cells(full):
-        cell_id = "-".join([metric, layout] if compile_mode == "nojit" else [metric, compile_mode, layout])
-        marks = [pytest.mark.cell(family="agreement metrics", row=metric, column=f"{layout}/{compile_mode}",
-                                  metric=metric, compile=compile_mode, layout=layout), *mesh_marks(layout)]
-        params.append(pytest.param((metric, compile_mode, layout), id=cell_id, marks=marks))
-    return params
+    return row_layout_params(metric_cells(full), "agreement metrics", "metric")
 
 
 def callback_params(full: bool) -> list:
@@ -85,18 +77,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 @pytest.fixture(scope="session")
 def agreement_reference(references, tmp_path_factory):
     """``get(spec)``: the single-process run of ``spec`` over the global batch, on the build under test
-    (eager, no layout), cached: cells that differ only in layout or compile mode share one."""
-    cache: dict[str, object] = {}
+    (``References.single_process``: cells that differ only in layout or compile mode share one),
+    its ModelCheckpoint writing a file of its own."""
     checkpoint = str(tmp_path_factory.mktemp("agreement-reference") / "best.keras")
-
-    def get(spec: dict):
-        ref = dict(spec, layout={"kind": "single"}, layout_name="single", compile="nojit", checkpoint=checkpoint)
-        key = json.dumps(ref, sort_keys=True)
-        if key not in cache:
-            cache[key] = references.pool.run(rank_agreement.run, ref, False)
-        return cache[key]
-
-    return get
+    return lambda spec: references.single_process(rank_agreement.run, dict(spec, checkpoint=checkpoint))
 
 
 def _run(spec: dict, keras_ranks, agreement_reference, request) -> None:

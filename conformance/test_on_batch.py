@@ -13,13 +13,11 @@ adds them compiled (``jit``).
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from conformance import axes
 from conformance.judge import judge_on_batch
-from conformance.marks import mesh_marks
+from conformance.marks import row_layout_params
 from conformance.ranks import on_batch as rank_on_batch
 
 
@@ -30,13 +28,7 @@ def on_batch_cells(full: bool) -> list[tuple[str, str, str]]:
 
 
 def on_batch_params(full: bool) -> list:
-    params = []
-    for api, compile_mode, layout in on_batch_cells(full):
-        cell_id = "-".join([api, layout] if compile_mode == "nojit" else [api, compile_mode, layout])
-        marks = [pytest.mark.cell(family="on-batch", row=api, column=f"{layout}/{compile_mode}",
-                                  api=api, compile=compile_mode, layout=layout), *mesh_marks(layout)]
-        params.append(pytest.param((api, compile_mode, layout), id=cell_id, marks=marks))
-    return params
+    return row_layout_params(on_batch_cells(full), "on-batch", "api")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -44,25 +36,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("on_batch_cell", on_batch_params(metafunc.config.getoption("full")))
 
 
-@pytest.fixture(scope="session")
-def on_batch_reference(references):
-    """``get(spec)``: the single-process run of ``spec``'s API over the global batch (eager, no
-    layout), cached: the cells of one API share it."""
-    cache: dict[str, object] = {}
-
-    def get(spec: dict):
-        ref = dict(spec, layout={"kind": "single"}, layout_name="single", compile="nojit")
-        key = json.dumps(ref, sort_keys=True)
-        if key not in cache:
-            cache[key] = references.pool.run(rank_on_batch.run, ref, False)
-        return cache[key]
-
-    return get
-
-
-def test_on_batch(on_batch_cell, keras_ranks, on_batch_reference, request):
+def test_on_batch(on_batch_cell, keras_ranks, references, request):
     api, compile_mode, layout = on_batch_cell
     spec = {"api": api, "compile": compile_mode, "layout": axes.LAYOUTS[layout], "layout_name": layout}
     request.node.user_properties.append(("spec", spec))
     request.node.user_properties.append(("reference", "same build"))
-    judge_on_batch(spec, keras_ranks.run(rank_on_batch.run, spec), on_batch_reference(spec))
+    # The reference: the single process over the global batch, shared by the cells of one API.
+    judge_on_batch(spec, keras_ranks.run(rank_on_batch.run, spec), references.single_process(rank_on_batch.run, spec))
