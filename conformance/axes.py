@@ -211,6 +211,17 @@ MODELS = ("mlp", "embedding", "attention", "batchnorm")
 #: to the build by the LayoutMap (``lora``) or sharded with their kernel (``lora-sharded``).
 LORA_MODELS = cell_data.LORA_MODELS
 
+#: Mixed precision (issue 27, item 1): every training cell runs under one of these dtype policies
+#: (``cell_data.POLICIES``), float32 unless its id names another (``mixed_bfloat16-adam-arrays-nojit-colshard``).
+POLICIES = cell_data.POLICIES
+#: The optimizers whose state meets the compute precision (moments of 16-bit gradients, a decoupled
+#: decay, the loss scale's own variables), which the mixed-precision cells run.
+MIXED_OPTIMIZERS = ("sgd", "adam", "adamw", "lossscale")
+#: The layouts besides colshard that the default tier runs each mixed policy on (Adam, arrays, nojit):
+#: a reduction split across the ranks (rowshard: partial sums in 16 bits) and DataParallel (gradients
+#: all-reduced by DDP); ``--full`` takes every layout.
+MIXED_DEFAULT_LAYOUTS = ("colshard", "rowshard", "dataparallel")
+
 check_optimizers(OPTIMIZERS)  # here: a row's default_cells are checked against the axes above
 
 
@@ -227,7 +238,9 @@ def lora_layout(layout: dict) -> dict:
     return {**layout, "map": {**extra, **layout["map"]}} if extra else layout
 
 
-def cell_spec(model: str, optimizer: str, data: str, compile_mode: str, layout: str) -> dict:
+def cell_spec(model: str, optimizer: str, data: str, compile_mode: str, layout: str, policy: str = POLICIES[0]) -> dict:
+    """A training cell as data; ``policy`` only where it is not float32, so a float32 cell's spec
+    (its references' keys, its reproducer) is what it was before the policy axis."""
     return {
         "model": model,
         "optimizer": OPTIMIZERS[optimizer].spec,
@@ -236,17 +249,24 @@ def cell_spec(model: str, optimizer: str, data: str, compile_mode: str, layout: 
         "compile": compile_mode,
         "layout": lora_layout(LAYOUTS[layout]) if model == "lora-sharded" else LAYOUTS[layout],
         "layout_name": layout,
+        **({"policy": policy} if policy != POLICIES[0] else {}),
     }
 
 
-def cell_id(model: str, optimizer: str, data: str, compile_mode: str, layout: str) -> str:
-    """``adam-dataloader-jit-colshard``; the model is named only when it is not the MLP."""
+def cell_id(model: str, optimizer: str, data: str, compile_mode: str, layout: str, policy: str = POLICIES[0]) -> str:
+    """``adam-dataloader-jit-colshard``; the policy and the model are named only when they are not
+    float32 and the MLP (``mixed_bfloat16-lora-adam-arrays-nojit-colshard``)."""
     parts = [optimizer, data, compile_mode, layout]
-    return "-".join(parts if model == "mlp" else [model, *parts])
+    if model != "mlp":
+        parts.insert(0, model)
+    if policy != POLICIES[0]:
+        parts.insert(0, policy)
+    return "-".join(parts)
 
 
-def _product(models, optimizers, data, compile_modes, layouts):
-    return list(itertools.product(models, optimizers, data, compile_modes, layouts))
+def _product(models, optimizers, data, compile_modes, layouts, policies=POLICIES[:1]):
+    """(model, optimizer, data, compile, layout, policy) of every combination."""
+    return list(itertools.product(models, optimizers, data, compile_modes, layouts, policies))
 
 
 #: Sample weights, dict inputs, PyDataset, a generator and an IterableDataset each under
@@ -262,7 +282,7 @@ HAND_FED_SOURCES_OFF_COLUMN = [
 
 
 def training_cells(full: bool) -> list[tuple]:
-    """(model, optimizer, data, compile, layout) coordinates of the tier, without duplicates.
+    """(model, optimizer, data, compile, layout, policy) coordinates of the tier, without duplicates.
 
     Default tier: full products where bugs have lived, and a covering design for the rest:
       - every optimizer x every compile mode x {arrays, DataLoader}, MLP, column-sharded (a row's
@@ -270,19 +290,29 @@ def training_cells(full: bool) -> list[tuple]:
       - every data source x {eager, nojit, jit}, Adam, MLP, column-sharded;
       - every model x every layout, Adam, arrays, nojit; and every layout x compile mode, MLP;
       - the sources other than arrays and DataLoader off the column-sharded layout
-        (``HAND_FED_SOURCES_OFF_COLUMN``: a covering design over DataParallel and batchshard).
+        (``HAND_FED_SOURCES_OFF_COLUMN``: a covering design over DataParallel and batchshard);
+      - each mixed policy with the ``MIXED_OPTIMIZERS``, arrays, nojit, column-sharded, and with Adam
+        on ``MIXED_DEFAULT_LAYOUTS``.
     ``--full`` adds every optimizer x data source, and models x optimizers x compile modes.
     """
     cells = []
     for name, entry in OPTIMIZERS.items():
         pairs = entry.default_cells or itertools.product(["arrays", "dataloader"], COMPILE_MODES)
-        cells += [("mlp", name, data, compile_mode, "colshard") for data, compile_mode in pairs]
+        cells += [("mlp", name, data, compile_mode, "colshard", POLICIES[0]) for data, compile_mode in pairs]
     cells += _product(["mlp"], ["adam"], DATA_SOURCES, ["eager", "nojit", "jit"], ["colshard"])
     cells += _product(MODELS, ["adam"], ["arrays"], ["nojit"], LAYOUTS)
     cells += _product(["mlp"], ["sgd", "adam"], ["arrays", "dataloader"], COMPILE_MODES, LAYOUTS)
-    cells += HAND_FED_SOURCES_OFF_COLUMN  # issue 19 item 4
+    cells += [(*cell, POLICIES[0]) for cell in HAND_FED_SOURCES_OFF_COLUMN]  # issue 19 item 4
     cells += _product(LORA_MODELS, ["adam"], ["arrays"], ["nojit"], LAYOUTS)  # issue 27 item 2
+    mixed = POLICIES[1:]  # issue 27 item 1
+    cells += _product(["mlp"], MIXED_OPTIMIZERS, ["arrays"], ["nojit"], ["colshard"], mixed)
+    cells += _product(["mlp"], ["adam"], ["arrays"], ["nojit"], MIXED_DEFAULT_LAYOUTS, mixed)
     if full:
+        cells += _product(["mlp"], MIXED_OPTIMIZERS, ["arrays", "dataloader"], COMPILE_MODES, LAYOUTS, mixed)
+        # The other models with SGD: Adam turns 16-bit rounding in a near-zero gradient into a whole step
+        # (docs/measurements.md, "Mixed precision"), SGD's step is the gradient's own size.
+        cells += _product(MODELS, ["sgd"], ["arrays"], ["nojit", "jit"], LAYOUTS, mixed)
+        cells += _product(LORA_MODELS, ["sgd", "adam", "adamw"], ["arrays"], ["nojit", "jit"], LAYOUTS, mixed)
         cells += _product(LORA_MODELS, ["sgd", "adam", "adamw"], ["arrays", "dataloader"], COMPILE_MODES, LAYOUTS)
         cells += _product(["mlp"], OPTIMIZERS, DATA_SOURCES, ["nojit", "jit"], ["colshard"])
         cells += _product(MODELS, OPTIMIZERS, ["arrays", "dataloader"], COMPILE_MODES, ["colshard", "rowshard"])

@@ -23,6 +23,15 @@ MESH_AXES = ("batch", "model")
 #: (``axes.lora_layout``), ``lora``'s leaves them to the build.
 LORA_MODELS = ("lora", "lora-sharded")
 LORA_RANK = 2
+#: The dtype policies a training cell can run under (``keras.config.set_dtype_policy``): the first is
+#: every cell's unless it names another; the mixed ones compute in 16 bits and keep float32 variables
+#: (``mixed_float16`` with the loss scaling Keras' ``compile`` wraps the optimizer in).
+POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
+
+
+def policy(spec: dict) -> str:
+    """The dtype policy of a cell's spec: its ``policy``, or float32 (what a spec without one runs)."""
+    return spec.get("policy", POLICIES[0])
 
 
 def mesh_shape(layout: dict, nproc: int) -> tuple[int, ...]:

@@ -97,14 +97,15 @@ def references_for(references, jax_references, request):
 def training_params(full: bool) -> list:
     params = []
     for coords in axes.training_cells(full):
-        model, optimizer, data, compile_mode, layout_name = coords
+        model, optimizer, data, compile_mode, layout_name, policy = coords
         marks = [pytest.mark.cell(
             # "hand-fed": each rank feeds its own part (auto_shard_dataset=False), as against the
             # "keras-sharded" cells of test_data_sharding.py; promises.py reads the first word.
             family=f"fit {layout_name} hand-fed",
-            row=optimizer if model == "mlp" else f"{model} {optimizer}",
+            row=" ".join([*([policy] if policy != axes.POLICIES[0] else []), *([model] if model != "mlp" else []),
+                          optimizer]),
             column=f"{data}/{compile_mode}",
-            model=model, optimizer=optimizer, data=data, compile=compile_mode, layout=layout_name,
+            model=model, optimizer=optimizer, data=data, compile=compile_mode, layout=layout_name, policy=policy,
         ), *mesh_marks(layout_name)]
         params.append(pytest.param(coords, id=axes.cell_id(*coords), marks=marks))
     return params

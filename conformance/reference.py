@@ -23,6 +23,7 @@ import re
 
 import numpy as np
 
+from conformance.cell_data import policy
 from conformance.judge import fit_checks
 from conformance.ranks import jax_reference as rank_jax
 from conformance.ranks import train as rank_train
@@ -136,7 +137,7 @@ class JaxReference:
 def jax_key(spec: dict, initial_weights: dict, nproc: int | None) -> str:
     """What a JAX reference's numbers depend on: the model, optimizer, the data as fed (plain,
     sample weights, dict inputs or a PyDataset, which orders its batches itself: every other source
-    yields the arrays' batches in order) and the initial weights; not the torch compile mode or data
+    yields the arrays' batches in order), the initial weights and the dtype policy; not the torch compile mode or data
     source, nor steps_per_execution (the JAX run reports every step's running loss, and a ``spe4``
     cell is compared with the steps it reports: ``jax_compare.reported_steps``). With ``nproc``, the
     key of its layouts: the layout's kind, mesh and map and the ranks' count too."""
@@ -146,7 +147,8 @@ def jax_key(spec: dict, initial_weights: dict, nproc: int | None) -> str:
         digest.update(np.ascontiguousarray(initial_weights[path]).tobytes())
     data = spec["data"] if spec["data"] in ("sample-weights", "dict", "pydataset", "pydataset-workers") else "plain"
     layout = None if nproc is None else [spec["layout"], nproc]
-    return json.dumps([spec["model"], spec["optimizer"], data, layout, digest.hexdigest()], sort_keys=True)
+    return json.dumps([spec["model"], spec["optimizer"], data, layout, digest.hexdigest(), policy(spec)],
+                      sort_keys=True)
 
 
 #: The JAX reference's steps XLA-compiled. Measured here (one XLA thread, 2 virtual devices):

@@ -129,6 +129,9 @@ def test_the_core_set_is_the_mlp_on_arrays_and_dataloader_with_five_optimizers()
         "no: no oracle for the generator data source"
     assert oracle.coverage(axes.cell_spec("mlp", "lossscale", "arrays", "nojit", "colshard")) == \
         "no: SGD with loss_scale has no rule"
+    for policy in axes.POLICIES[1:]:  # the oracle computes in float64: no 16-bit rounding to model
+        assert oracle.coverage(axes.cell_spec("mlp", "adam", "arrays", "nojit", "colshard", policy)) == \
+            f"no: the oracle computes in float64, not under {policy}"
 
 
 def oracle_evidence(spec: dict) -> tuple[dict, oracle.Expected]:

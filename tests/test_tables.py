@@ -67,6 +67,21 @@ def test_an_optimizer_row_that_is_not_whole_is_named(entry, said):
         Optimizer("SGD", {"learning_rate": 0.05})
 
 
+def test_a_float32_cell_is_what_it_was_before_the_policy_axis_and_a_mixed_one_names_its_policy():
+    assert "policy" not in axes.cell_spec("mlp", "adam", "arrays", "nojit", "colshard")
+    assert axes.cell_id("mlp", "adam", "arrays", "nojit", "colshard") == "adam-arrays-nojit-colshard"
+    mixed = ("lora", "adam", "arrays", "nojit", "colshard", "mixed_float16")
+    assert axes.cell_spec(*mixed)["policy"] == "mixed_float16"
+    assert axes.cell_id(*mixed) == "mixed_float16-lora-adam-arrays-nojit-colshard"
+    default = axes.training_cells(False)
+    assert all(len(cell) == 6 and cell[5] in axes.POLICIES for cell in default)
+    full = axes.training_cells(True)
+    for policy in axes.POLICIES[1:]:  # the optimizers whose state meets the precision; --full: every layout
+        assert {c[4] for c in default if c[5] == policy} == set(axes.MIXED_DEFAULT_LAYOUTS)
+        assert {c[1] for c in default if c[5] == policy} == set(axes.MIXED_OPTIMIZERS)
+        assert {c[4] for c in full if c[5] == policy} == set(axes.LAYOUTS)
+
+
 def test_slot_counts_are_plain_data_a_reproducer_inlines():
     assert ast.literal_eval(repr(axes.SLOTS)) == axes.SLOTS
     assert axes.SLOTS["muon"] == {"full": 1, "factored": 0, "adamw_velocity": 1}

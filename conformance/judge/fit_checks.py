@@ -30,6 +30,7 @@ from keras_dtensor_conformance import (
     SHARDING_LOST,
 )
 
+from conformance.cell_data import policy
 from conformance.judge.communication import over_budget, sharded_variables
 from conformance.judge.compile_evidence import compile_problems
 from conformance.judge.jax_compare import (
@@ -39,7 +40,7 @@ from conformance.judge.jax_compare import (
     numbers_differ_from_jax,
     slot_counts,
 )
-from conformance.judge.numerics import numerics_problems, reported_problems
+from conformance.judge.numerics import TOLERANCES, numerics_problems, reported_problems
 from conformance.judge.sharding import laid_out, sharding_problems
 from conformance.judge.slots import slot_problems
 
@@ -193,15 +194,16 @@ def global_batch_differs(spec: dict, values: list[dict], reference: dict) -> tup
     if global_batch_scope(spec, values) is not None:
         return None
     firsts = [{"first step loss": v["step_losses"][:1], "batch_part": v["batch_part"]} for v in values]
-    problems = reported_problems("first step loss", firsts, reference["step_losses"][:1])
+    problems = reported_problems("first step loss", firsts, reference["step_losses"][:1], TOLERANCES[policy(spec)])
     return (NUMERICS, "the processes' input did not make the single process's global batch (the first step's "
             "loss, before any update, differs): " + "\n".join(problems)) if problems else None
 
 
-def numbers_differ(values: list[dict], reference: dict) -> tuple[str, str] | None:
+def numbers_differ(spec: dict, values: list[dict], reference: dict) -> tuple[str, str] | None:
     """Losses, evaluate, predict and final weights against the single-process reference's, and the
-    ranks against each other (``conformance.judge.numerics``)."""
-    problems = numerics_problems(values, reference)
+    ranks against each other (``conformance.judge.numerics``), within the tolerance of the cell's
+    dtype policy."""
+    problems = numerics_problems(values, reference, TOLERANCES[policy(spec)])
     # The verdict's kind and the first problem on the first line: the headline, and what clusters it.
     return (NUMERICS, "distributed torch differs from single-process torch (a distribution bug): "
             + "\n".join(problems)) if problems else None
@@ -213,7 +215,7 @@ def differs_from_jax(spec: dict, values: list[dict], jax: dict | None) -> tuple[
     ``arbitrate`` to say."""
     if jax is None:
         return None
-    problems = numbers_differ_from_jax(spec["optimizer_name"], values, jax)
+    problems = numbers_differ_from_jax(spec["optimizer_name"], values, jax, policy(spec))
     return (NUMERICS, "\n".join(problems)) if problems else None
 
 
@@ -325,7 +327,7 @@ def fit_checks(spec: dict, values: list[dict], nproc: int, reference: dict | Non
     if why is not None:
         return finish(why, 4, f"the numbers cannot be compared with the single process's: {why[1].splitlines()[0]}")
     batch = record(GLOBAL_BATCH, global_batch_differs(spec, values, reference), global_batch_scope(spec, values))
-    found = record(SINGLE_PROCESS_NUMBERS, numbers_differ(values, reference)) or batch
+    found = record(SINGLE_PROCESS_NUMBERS, numbers_differ(spec, values, reference)) or batch
     if found is not None:
         return finish(found, 6)
     jax_found = record(JAX_NUMBERS, differs_from_jax(spec, values, jax),

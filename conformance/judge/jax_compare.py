@@ -15,7 +15,7 @@ on each rank.
 
 from __future__ import annotations
 
-from conformance.judge.numerics import numerics_problems
+from conformance.judge.numerics import TOLERANCES, numerics_problems
 from conformance.judge.sharding import intended, mesh_coordinate, shard_size
 
 #: float32 results of XLA's and torch's CPU kernels may differ in the last bits (fused multiply-adds,
@@ -45,9 +45,11 @@ JAX_TOLERANCES = {
 }
 
 
-def tolerance(optimizer: str) -> dict:
-    """The tolerance against JAX of an ``axes.OPTIMIZERS`` row's cells."""
-    return JAX_TOLERANCES.get(optimizer, DEFAULT)
+def tolerance(optimizer: str, policy: str = "float32") -> dict:
+    """The tolerance against JAX of an ``axes.OPTIMIZERS`` row's cells under a dtype policy: the
+    row's, or the policy's (``numerics.TOLERANCES``: 16-bit compute rounds on both backends) where wider."""
+    row, precision = JAX_TOLERANCES.get(optimizer, DEFAULT), TOLERANCES[policy]
+    return {key: max(row[key], precision[key]) for key in row}
 
 
 # ---------------------------------------------------------------- layouts
@@ -135,7 +137,7 @@ def reported_steps(values: list[dict], jax: dict) -> dict:
     return dict(jax, step_losses=jax["step_losses"][every - 1::every])
 
 
-def numbers_differ_from_jax(optimizer: str, values: list[dict], jax: dict) -> list[str]:
+def numbers_differ_from_jax(optimizer: str, values: list[dict], jax: dict, policy: str = "float32") -> list[str]:
     """Every rank's losses, evaluate, predict and final weights against the JAX backend's, within
-    ``tolerance(optimizer)`` (empty: they agree)."""
-    return numerics_problems(values, reported_steps(values, jax), tolerance(optimizer))
+    ``tolerance(optimizer, policy)`` (empty: they agree)."""
+    return numerics_problems(values, reported_steps(values, jax), tolerance(optimizer, policy))

@@ -20,7 +20,15 @@ import numpy as np
 #: Tolerances for comparing with the single-process reference. Sharded reductions sum in
 #: another order (partial sums all-reduced), so float32 results differ in the last bits and
 #: the difference grows a little with every optimizer step.
-TOLERANCES = {"float32": {"rtol": 1e-4, "atol": 1e-5}}
+#: Keyed by the cell's dtype policy (``cell_data.POLICIES``). Under a mixed policy the layers
+#: compute in 16 bits: a sum in another order rounds to a neighbouring 16-bit value, a relative 2**-8
+#: (bfloat16) or 2**-11 (float16) apart, and the float32 weights carry the difference on. rtol: two
+#: units in the last place of an output near 1; atol: 1.5 to 2 times the largest need measured at
+#: that rtol over the --full tier's mixed cells (``scripts/tolerance_need.py``; docs/measurements.md,
+#: "Mixed precision"), below a lost update (a weight one optimizer step away, and the predictions with it).
+TOLERANCES = {"float32": {"rtol": 1e-4, "atol": 1e-5},
+              "mixed_bfloat16": {"rtol": 2 ** -6, "atol": 2 ** -6},
+              "mixed_float16": {"rtol": 2 ** -9, "atol": 2 ** -8}}
 
 #: Values a rank reports as metrics: global (all-reduced) or the mean over its local batch.
 REPORTED = ("step_losses", "epoch_loss", "evaluate")

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import numpy as np
 
 from conformance import axes, cell_data
+from conformance.cell_data import policy
 
 #: The build computes in float32, the oracle in float64: the build's rounding (~6e-8 relative
 #: per operation) accumulates over the forward, backward and update of each of the STEPS steps.
@@ -146,6 +147,8 @@ def scope(spec: dict) -> str | None:
         return f"no oracle for the {spec['data']} data source"
     if axes.OPTIMIZERS[spec["optimizer_name"]].oracle is None:
         return _optimizer_gap(spec["optimizer"])
+    if policy(spec) != axes.POLICIES[0]:
+        return f"the oracle computes in float64, not under {policy(spec)}"
     return None
 
 

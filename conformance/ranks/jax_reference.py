@@ -82,6 +82,7 @@ def train(spec: dict, initial_weights: dict, nproc: int, jit: bool = False, fit:
             raise RuntimeError(f"{len(devices)} virtual CPU devices, the layout needs {nproc} "
                                "(XLA_FLAGS=--xla_force_host_platform_device_count)")
         keras.distribution.set_distribution(rank_train.make_distribution(layout, nproc, devices))
+    rank_train.set_policy(spec)
     model_name = rank_train.model_name(spec)
     model = rank_train.build_model(model_name)
     paths = [v.path for v in model.weights]

@@ -24,6 +24,7 @@ from conformance.cell_data import (
     local_part,
     local_rows,
     make_arrays,
+    policy,
 )
 from conformance.ranks.feeding import fit_inputs
 from conformance.ranks.step_communication import measure_step_communication
@@ -32,7 +33,7 @@ from conformance.ranks.step_communication import measure_step_communication
 #: (``conformance.cell_data``), its feeding and the step's communication, besides ``train``.
 __all__ = ["BATCH", "SAMPLES", "STEPS", "VOCAB", "batch_part", "build_model", "build_optimizer", "describe_variable",
            "fit_inputs", "frozen_paths", "local_part", "local_rows", "make_arrays", "make_distribution",
-           "measure_step_communication", "model_name", "train"]
+           "measure_step_communication", "model_name", "set_policy", "train"]
 
 
 def _device_type(variable) -> str:
@@ -64,6 +65,14 @@ def model_name(spec: dict) -> str:
 def frozen_paths(model) -> list[str]:
     """The kernels LoRA froze: what training must leave exactly as it was."""
     return [layer._kernel.path for layer in model._flatten_layers() if getattr(layer, "lora_enabled", False)]
+
+
+def set_policy(spec: dict) -> None:
+    """The cell's dtype policy (``cell_data.policy``) for the layers built next; the rank resets it
+    to float32 after the cell (``fixtures/rank/isolation``)."""
+    import keras
+
+    keras.config.set_dtype_policy(policy(spec))
 
 
 def build_model(name: str):
@@ -270,6 +279,7 @@ def train(spec: dict, distributed: bool = True) -> dict:
     if distributed and spec["layout"]["kind"] != "single":
         keras.distribution.set_distribution(make_distribution(spec["layout"]))
     keras.utils.set_random_seed(0)
+    set_policy(spec)
     name = model_name(spec)
     model = build_model(name)
     # Before fit, as numpy by path: the NumPy oracle (conformance/oracle.py) starts from them.
