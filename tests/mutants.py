@@ -858,6 +858,60 @@ LORA_CASES = (
 CASES = (*CASES, *LORA_CASES)
 
 
+# [mixed] issue 27, item 1: mixed precision as an axis of the training cells.
+#: Mixed-precision cells of both policies on the layouts that shard columns, rows and data-parallelise,
+#: the loss-scale row, and float32 cells the mixed-precision mutants must not reach.
+MIXED_TIER = _fit_ids("mixed_bfloat16-sgd-arrays-nojit-colshard", "mixed_bfloat16-adam-arrays-nojit-rowshard",
+                      "mixed_float16-adam-arrays-nojit-colshard", "mixed_float16-lossscale-arrays-nojit-colshard",
+                      "mixed_bfloat16-adam-arrays-nojit-dataparallel", "mixed_float16-adam-arrays-nojit-dataparallel",
+                      "adam-arrays-nojit-colshard", "lossscale-arrays-nojit-colshard")
+MIXED_CASES = (
+    Case(
+        Mutant(
+            "mixed-update-writes-lost",
+            "under a distribution the train step applies the optimizer inside the model's autocast scope: "
+            "the in-place updates write to the 16-bit copies a variable's value reads as there, and are lost",
+            (Patch(TORCH + "trainer.py", _BEFORE_UPDATE + "                self.optimizer.apply(gradients, trainable_weights)\n",
+                   "            # Update weights\n"
+                   "            policy = self.dtype_policy  # mutant: the update under the compute dtype\n"
+                   "            with torch.no_grad(), __import__(\n"
+                   "                \"keras.src.backend.common.variables\", fromlist=[\"AutocastScope\"]\n"
+                   "            ).AutocastScope(policy.compute_dtype if distribution() is not None\n"
+                   "                            and policy.compute_dtype != policy.variable_dtype else None):\n"
+                   "                self.optimizer.apply(gradients, trainable_weights)\n"),),
+        ),
+        {f"test_fit[{cell}]": "numerics" for cell in (
+            "mixed_bfloat16-sgd-arrays-nojit-colshard", "mixed_bfloat16-adam-arrays-nojit-rowshard",
+            "mixed_float16-adam-arrays-nojit-colshard", "mixed_float16-lossscale-arrays-nojit-colshard",
+            "mixed_bfloat16-adam-arrays-nojit-dataparallel", "mixed_float16-adam-arrays-nojit-dataparallel")},
+        tier=MIXED_TIER,
+    ),
+    # A correct build written differently: a sharded variable is cast for a 16-bit computation shard
+    # by shard (the local shard cast, the DTensor rebuilt with the same placements), where the nightly
+    # casts the DTensor as one tensor. Every mixed cell must still pass.
+    Case(
+        Mutant(
+            "mixed-cast-shard-by-shard",
+            "a correct rewrite, not a bug: a sharded variable's autocast copy is cast shard by shard",
+            (Patch("keras/src/backend/common/variables.py",
+                   "        if self.dtype is not None and is_float_dtype(value.dtype):\n"
+                   "            return backend.ops.cast(value, dtype=self.dtype)\n",
+                   "        if self.dtype is not None and is_float_dtype(value.dtype):\n"
+                   "            if type(getattr(value, \"data\", value)).__name__ == \"DTensor\":  # rewrite: per shard\n"
+                   "                from torch.distributed.tensor import DTensor\n"
+                   "                from keras.src.backend.torch.ops.core import to_torch_dtype\n"
+                   "                local = value.to_local().to(to_torch_dtype(self.dtype))\n"
+                   "                return DTensor.from_local(local, value.device_mesh, value.placements,\n"
+                   "                                          run_check=False, shape=value.shape, stride=value.stride())\n"
+                   "            return backend.ops.cast(value, dtype=self.dtype)\n"),),
+        ),
+        {},
+        tier=MIXED_TIER,
+    ),
+)
+CASES = (*CASES, *MIXED_CASES)
+
+
 # [state] issue 19, items 2 and 3: what Keras must do itself with variables between processes.
 #: The state cells the state mutants run (the default tier's), and a few others that they must not reach.
 STATE_TIER = (*(f"conformance/test_state.py::{cell}" for cell in (
