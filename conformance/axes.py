@@ -253,15 +253,16 @@ def cell_spec(model: str, optimizer: str, data: str, compile_mode: str, layout: 
     }
 
 
+def row_parts(model: str, optimizer: str, policy: str = POLICIES[0]) -> list[str]:
+    """What names a training cell's row: the policy and the model only when they are not float32 and
+    the MLP, then the optimizer (``["mixed_bfloat16", "lora", "adam"]``, ``["adam"]``)."""
+    return [*([policy] if policy != POLICIES[0] else []), *([model] if model != "mlp" else []), optimizer]
+
+
 def cell_id(model: str, optimizer: str, data: str, compile_mode: str, layout: str, policy: str = POLICIES[0]) -> str:
-    """``adam-dataloader-jit-colshard``; the policy and the model are named only when they are not
-    float32 and the MLP (``mixed_bfloat16-lora-adam-arrays-nojit-colshard``)."""
-    parts = [optimizer, data, compile_mode, layout]
-    if model != "mlp":
-        parts.insert(0, model)
-    if policy != POLICIES[0]:
-        parts.insert(0, policy)
-    return "-".join(parts)
+    """``adam-dataloader-jit-colshard``, ``mixed_bfloat16-lora-adam-arrays-nojit-colshard``: the row's
+    parts (``row_parts``), then the column's."""
+    return "-".join([*row_parts(model, optimizer, policy), data, compile_mode, layout])
 
 
 def _product(models, optimizers, data, compile_modes, layouts, policies=POLICIES[:1]):

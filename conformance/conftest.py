@@ -102,8 +102,7 @@ def training_params(full: bool) -> list:
             # "hand-fed": each rank feeds its own part (auto_shard_dataset=False), as against the
             # "keras-sharded" cells of test_data_sharding.py; promises.py reads the first word.
             family=f"fit {layout_name} hand-fed",
-            row=" ".join([*([policy] if policy != axes.POLICIES[0] else []), *([model] if model != "mlp" else []),
-                          optimizer]),
+            row=" ".join(axes.row_parts(model, optimizer, policy)),
             column=f"{data}/{compile_mode}",
             model=model, optimizer=optimizer, data=data, compile=compile_mode, layout=layout_name, policy=policy,
         ), *mesh_marks(layout_name)]
