@@ -861,10 +861,10 @@ CASES = (*CASES, *LORA_CASES)
 # [mixed] issue 27, item 1: mixed precision as an axis of the training cells.
 #: Mixed-precision cells of both policies on the layouts that shard columns, rows and data-parallelise,
 #: the loss-scale row, and float32 cells the mixed-precision mutants must not reach.
-MIXED_TIER = _fit_ids("mixed_bfloat16-sgd-arrays-nojit-colshard", "mixed_bfloat16-adam-arrays-nojit-rowshard",
-                      "mixed_float16-adam-arrays-nojit-colshard", "mixed_float16-lossscale-arrays-nojit-colshard",
-                      "mixed_bfloat16-adam-arrays-nojit-dataparallel", "mixed_float16-adam-arrays-nojit-dataparallel",
-                      "adam-arrays-nojit-colshard", "lossscale-arrays-nojit-colshard")
+_MIXED = ("mixed_bfloat16-sgd-arrays-nojit-colshard", "mixed_bfloat16-adam-arrays-nojit-rowshard",
+          "mixed_float16-adam-arrays-nojit-colshard", "mixed_float16-lossscale-arrays-nojit-colshard",
+          "mixed_bfloat16-adam-arrays-nojit-dataparallel", "mixed_float16-adam-arrays-nojit-dataparallel")
+MIXED_TIER = _fit_ids(*_MIXED, "adam-arrays-nojit-colshard", "lossscale-arrays-nojit-colshard")
 MIXED_CASES = (
     Case(
         Mutant(
@@ -880,10 +880,7 @@ MIXED_CASES = (
                    "                            and policy.compute_dtype != policy.variable_dtype else None):\n"
                    "                self.optimizer.apply(gradients, trainable_weights)\n"),),
         ),
-        {f"test_fit[{cell}]": "numerics" for cell in (
-            "mixed_bfloat16-sgd-arrays-nojit-colshard", "mixed_bfloat16-adam-arrays-nojit-rowshard",
-            "mixed_float16-adam-arrays-nojit-colshard", "mixed_float16-lossscale-arrays-nojit-colshard",
-            "mixed_bfloat16-adam-arrays-nojit-dataparallel", "mixed_float16-adam-arrays-nojit-dataparallel")},
+        {f"test_fit[{cell}]": "numerics" for cell in _MIXED},
         tier=MIXED_TIER,
     ),
     # A correct build written differently: a sharded variable is cast for a 16-bit computation shard
