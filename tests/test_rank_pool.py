@@ -82,11 +82,24 @@ def test_hang_dumps_every_rank_and_restarts_the_pool(dist_ranks):
     assert [o.status for o in result.outcomes] == [HANG] * dist_ranks.nproc
     assert "hang_on_rank" in result.outcomes[1].stack  # the stuck rank's own frame
     assert "barrier" in result.outcomes[0].stack  # the other one, in its collective
+    # Both written by the ranks' stack-dump threads (which name the threads), none by faulthandler.
+    assert all(o.stack.startswith('Current thread 0x') and '"MainThread"' in o.stack for o in result.outcomes)
     assert "within the 5s timeout" in result.outcomes[1].note
     assert result.pool_restarted
     assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in old_pids)
     assert_pool_works(dist_ranks)
     assert set(dist_ranks.pids).isdisjoint(old_pids)
+
+
+def test_a_rank_that_holds_the_gil_is_dumped_by_faulthandler(dist_ranks):
+    """The stack-dump thread needs the GIL; a rank stuck in a C call that keeps it still gets its
+    stack, from faulthandler's signal handler, and its peer's comes from its own thread."""
+    result = dist_ranks.run(torch_cells.hold_gil_on_rank, 1, timeout=5)
+    stuck, waiting = result.outcomes[1], result.outcomes[0]
+    assert [o.status for o in result.outcomes] == [HANG] * dist_ranks.nproc, result.story()
+    assert "hold_gil_on_rank" in stuck.stack and '"MainThread"' not in stuck.stack, stuck.stack
+    assert "barrier" in waiting.stack and '"MainThread"' in waiting.stack, waiting.stack
+    assert_pool_works(dist_ranks)
 
 
 @pytest.mark.parametrize(

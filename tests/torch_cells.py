@@ -7,6 +7,7 @@ harness is proven against the behaviour it must survive, not against mocks.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import threading
@@ -61,6 +62,15 @@ def hang_on_rank(bad_rank: int) -> int:
     if dist.get_rank() == bad_rank:
         while True:
             time.sleep(0.1)
+    dist.barrier()
+    return dist.get_rank()
+
+
+def hold_gil_on_rank(bad_rank: int) -> int:
+    """``bad_rank`` is stuck in one C call that never releases the GIL (the regex engine
+    backtracking through 2**40 ways to split the a's); the others block in a collective."""
+    if dist.get_rank() == bad_rank:
+        re.match(r"(a+)+$", "a" * 40 + "b")
     dist.barrier()
     return dist.get_rank()
 
