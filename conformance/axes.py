@@ -344,10 +344,14 @@ KERAS_SHARDED_LAYOUTS = ("dataparallel", "batchshard", "colshard", "batchxmodel"
 #: batch axis of one shard per process, and PyDataset (which the default build shards) on the three
 #: 2-rank layouts; ``--full`` takes the product, the uneven row counts with it (on the default build
 #: an uneven PyDataset cell crashes, and the pool's restart costs more than the default tier's budget).
+#: On the 2x2 mesh (``--nproc 4``, the gating leg's ``-m mesh``; skipped with 2 ranks, so free there):
+#: PyDataset, arrays and a sampled DataLoader, the one place where 1 < batch shards < processes, so a
+#: shard count taken from the process count shows (keras-team/keras#23045's review).
 DEFAULT_KERAS_SHARDED = (
     ("arrays", False, "dataparallel"), ("tensors", False, "batchshard"), ("dataloader", False, "dataparallel"),
     ("dataloader-sampler", False, "batchshard"), ("iterable", False, "dataparallel"),
     ("pydataset", False, "dataparallel"), ("pydataset", False, "batchshard"), ("pydataset", False, "colshard"),
+    ("pydataset", False, "batchxmodel"), ("arrays", False, "batchxmodel"), ("dataloader-sampler", False, "batchxmodel"),
 )
 
 

@@ -179,6 +179,8 @@ class Case:
     #: --rank-timeout for the run: short only where a hang is the expected verdict (a real
     #: inductor compile of a jit cell can take longer than that on 2 busy cores).
     rank_timeout: int = 300
+    #: --nproc for the run: 4 for a bug only the 2x2 mesh shows (1 < batch shards < processes).
+    nproc: int = 2
 
     def verdict(self, cell: str) -> str:
         return self.expected.get(cell, "pass")
@@ -1021,6 +1023,56 @@ STATE_CASES = (
 CASES = (*CASES, *STATE_CASES)
 
 
+# [issue 27, item 4: the data x model mesh] Only on the 2x2 mesh (4 ranks) are there more batch shards
+# than one and fewer than processes: ranks (0, 1) form one batch shard and (2, 3) the other. Both cases
+# lift get_data_adapter's multi-process guard (as adapters-shard-arrays-and-dataloaders does), so the
+# array and DataLoader adapters shard too and the shard count reaches three sources; DataParallel (a
+# shard per process) is the cell where a shard count from the process count is still right.
+_MESH_SHARDED = _sharded_ids("pydataset-batchxmodel", "arrays-batchxmodel", "dataloader-sampler-batchxmodel",
+                             "pydataset-dataparallel")
+_GUARD_LIFTED = Patch(DATA_ADAPTERS + "__init__.py",
+                      '        and getattr(distribution, "_is_multi_process", False)\n',
+                      '        and False  # as adapters-shard-arrays-and-dataloaders\n')
+MESH_CASES = (
+    Case(
+        Mutant(
+            "data-shards-from-process-count",
+            "the number of data shards taken from the process count wherever the batch is split at all "
+            "(keras-team/keras#23045's review): 4 shards on the 2x2 mesh, whose shard ids are 0 and 1",
+            (_GUARD_LIFTED,
+             Patch("keras/src/distribution/distribution_lib.py",
+                   "        return min(self.num_model_replicas, self.num_processes)\n",
+                   "        return self.num_processes if self.num_model_replicas > 1 else 1  # mutant\n"),),
+        ),
+        {"test_keras_sharded[pydataset-batchxmodel]": "data-not-sharded",
+         "test_keras_sharded[arrays-batchxmodel]": "data-not-sharded",
+         "test_keras_sharded[dataloader-sampler-batchxmodel]": "data-not-sharded"},
+        tier=_MESH_SHARDED,
+        nproc=4,
+    ),
+    # A correct build written differently: the shard id as the process's proportion of the shard count,
+    # with the guard lifted; every cell of the mesh tier passes, the two the nightly refuses included.
+    Case(
+        Mutant(
+            "data-shard-id-by-proportion",
+            "a correct rewrite, not a bug: data_shard_id = process_id * num_data_shards // num_processes, "
+            "and the array and DataLoader adapters shard",
+            (_GUARD_LIFTED,
+             Patch("keras/src/distribution/distribution_lib.py",
+                   "        num_model_replicas = self.num_model_replicas\n"
+                   "        if num_model_replicas >= self.num_processes:\n",
+                   "        return self._process_id * self.num_data_shards // self.num_processes  # rewrite\n"
+                   "        num_model_replicas = self.num_model_replicas\n"
+                   "        if num_model_replicas >= self.num_processes:\n"),),
+        ),
+        {},
+        tier=_MESH_SHARDED,
+        nproc=4,
+    ),
+)
+CASES = (*CASES, *MESH_CASES)
+
+
 #: Cells of some mutant's tier that the unmutated build fails, each with its verdict: the build's own bug
 #: (in its expectations file too), in a tier so that a correct rewrite shows the cell passes without it.
 UNMUTATED_FAILS = {"test_metrics[max-dataparallel]": "numerics", "test_metrics[max-batchshard]": "numerics",
@@ -1030,9 +1082,20 @@ UNMUTATED_FAILS = {"test_metrics[max-dataparallel]": "numerics", "test_metrics[m
                    # issue 19: get_data_adapter refuses to shard anything but tf.data and PyDataset
                    **{f"test_keras_sharded[{n}]": "data-not-sharded" for n in (
                        "arrays-dataparallel", "tensors-batchshard", "dataloader-dataparallel",
-                       "dataloader-sampler-batchshard", "iterable-dataparallel")}}
+                       "dataloader-sampler-batchshard", "iterable-dataparallel",
+                       "arrays-batchxmodel", "dataloader-sampler-batchxmodel")}}
 
 
-def unmutated_tier() -> tuple[str, ...]:
-    """Every cell some mutant's tier runs: the unmutated build must pass them all."""
-    return tuple(dict.fromkeys(cell for case in CASES for cell in case.tier))
+def unmutated_tier(nproc: int = 2) -> tuple[str, ...]:
+    """Every cell some mutant's tier runs with ``nproc`` ranks: the unmutated build must pass them all."""
+    return tuple(dict.fromkeys(cell for case in CASES if case.nproc == nproc for cell in case.tier))
+
+
+def unmutated_fails(nproc: int = 2) -> dict[str, str]:
+    """``UNMUTATED_FAILS`` of the cells ``unmutated_tier(nproc)`` runs."""
+    names = {cell.rsplit("::", 1)[-1] for cell in unmutated_tier(nproc)}
+    return {cell: verdict for cell, verdict in UNMUTATED_FAILS.items() if cell in names}
+
+
+#: The rank counts the kit runs with.
+KIT_NPROCS = tuple(sorted({case.nproc for case in CASES}))

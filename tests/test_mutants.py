@@ -40,39 +40,47 @@ def shared_cache(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def mutant_runs(request, keras_nightly_tree, shared_cache, tmp_path_factory):
-    """Every selected mutant's session, started when the first mutant test asks, SIDE_BY_SIDE at a
-    time in the tests' order; each test waits for its own verdicts and judges them. Each lane has
-    its own cache folder (a cache is not written by two sessions at once)."""
+    """Every selected session, started when the first test asks, SIDE_BY_SIDE at a time in the
+    tests' order: the unmutated build's tier per rank count (``unmutated-nprocN``), then each
+    mutant's; each test waits for its own verdicts and judges them. Each lane has its own cache
+    folder (a cache is not written by two sessions at once)."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    selected = [item.callspec.params["case"] for item in request.session.items
-                if getattr(item, "originalname", None) == "test_mutant_gets_exactly_its_verdicts"]
-    folders = {case.mutant.name: tmp_path_factory.mktemp(case.mutant.name) for case in selected}
+    selected = []
+    for item in request.session.items:
+        params = getattr(item, "callspec", None) and item.callspec.params
+        if getattr(item, "originalname", None) == "test_unmutated_build_passes_the_mutant_tier":
+            selected.append((f"unmutated-nproc{params['nproc']}", None, params["nproc"]))
+        elif getattr(item, "originalname", None) == "test_mutant_gets_exactly_its_verdicts":
+            selected.append((params["case"].mutant.name, params["case"], params["case"].nproc))
     caches: dict[str, str] = {}
 
-    def run(case: mutants.Case) -> dict[str, str]:
-        out = folders[case.mutant.name]
+    def run(name: str, case: mutants.Case | None, nproc: int) -> dict[str, str]:
+        out = tmp_path_factory.mktemp(name)
         lane = threading.current_thread().name
         cache = caches.setdefault(lane, os.path.join(shared_cache, lane))
+        if case is None:
+            return run_suite(keras_nightly_tree, mutants.unmutated_tier(nproc), out, cache_dir=cache, nproc=nproc)
         build = mutants.write_mutant(keras_nightly_tree, str(out / case.mutant.name), case.mutant)
-        verdicts = run_suite(build, tier(request, case), out, case.rank_timeout, cache_dir=cache)
+        verdicts = run_suite(build, tier(request, case), out, case.rank_timeout, cache_dir=cache, nproc=case.nproc)
         REPORTS[case.mutant.name] = out / "report.json"
         return verdicts
 
     pool = ThreadPoolExecutor(SIDE_BY_SIDE, thread_name_prefix="mutant-lane")
-    futures = {case.mutant.name: pool.submit(run, case) for case in selected}
+    futures = {name: pool.submit(run, name, case, nproc) for name, case, nproc in selected}
     yield futures
     for future in futures.values():
         future.cancel()
     pool.shutdown(wait=True)
 
 
-def run_suite(keras_path: str, cells, out, rank_timeout: int = 300, cache_dir: str | None = None) -> dict[str, str]:
-    """Run ``cells`` against the build at ``keras_path``; return verdict per cell name."""
+def run_suite(keras_path: str, cells, out, rank_timeout: int = 300, cache_dir: str | None = None,
+              nproc: int = 2) -> dict[str, str]:
+    """Run ``cells`` against the build at ``keras_path`` with ``nproc`` ranks; return verdict per cell name."""
     report = str(out / "report.json")
     cache = ["-o", f"cache_dir={cache_dir}"] if cache_dir else ["-p", "no:cacheprovider"]
-    cmd = [sys.executable, "-m", "pytest", *cache, "-q", f"--keras-path={keras_path}",
+    cmd = [sys.executable, "-m", "pytest", *cache, "-q", f"--keras-path={keras_path}", "--nproc", str(nproc),
            "--rank-timeout", str(rank_timeout), "--conformance-json", report, *cells]
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
@@ -87,11 +95,12 @@ def tier(request, case: mutants.Case):
     return list(case.tier)
 
 
-def test_unmutated_build_passes_the_mutant_tier(keras_nightly_tree, tmp_path, shared_cache):
-    tier = mutants.unmutated_tier()
-    verdicts = run_suite(keras_nightly_tree, tier, tmp_path, cache_dir=shared_cache)
+@pytest.mark.parametrize("nproc", mutants.KIT_NPROCS, ids=[f"nproc{n}" for n in mutants.KIT_NPROCS])
+def test_unmutated_build_passes_the_mutant_tier(nproc, mutant_runs):
+    tier = mutants.unmutated_tier(nproc)
+    verdicts = mutant_runs[f"unmutated-nproc{nproc}"].result()
     assert len(verdicts) == len(tier)
-    assert {c: v for c, v in verdicts.items() if v != "pass"} == mutants.UNMUTATED_FAILS
+    assert {c: v for c, v in verdicts.items() if v != "pass"} == mutants.unmutated_fails(nproc)
 
 
 @pytest.mark.parametrize("case", mutants.CASES, ids=[c.mutant.name for c in mutants.CASES])
@@ -118,12 +127,13 @@ def test_every_promise_and_every_check_is_broken_by_a_mutant(mutant_runs, reques
     from conformance.judge.op_checks import OP_CHECKS
     from conformance.promises import PROMISES
 
-    if set(mutant_runs) != {case.mutant.name for case in mutants.CASES}:
+    names = {case.mutant.name for case in mutants.CASES}
+    if not names <= set(mutant_runs):
         pytest.skip("needs every mutant's session: run tests/test_mutants.py whole")
     broken: dict[str, list[str]] = {p.name: [] for p in PROMISES}
     failed: dict[str, list[str]] = {name: [] for name in (*CHECKS, *OP_CHECKS)}
-    for name, future in mutant_runs.items():
-        future.result()
+    for name in sorted(names):  # the mutants' reports, not the unmutated build's
+        mutant_runs[name].result()
         with open(REPORTS[name]) as f:
             report = json.load(f)
         for promise in report["promises"]:

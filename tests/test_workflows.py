@@ -46,7 +46,7 @@ def workflow_commands() -> list[str]:
     for workflow in WORKFLOWS:
         for line in workflow.read_text().splitlines():
             line = line.strip().removeprefix("run:").strip()
-            if re.match(r"(pytest|bash \.ci/run)\b", line):
+            if re.match(r"(pytest|bash \.ci/run)(\s|$)", line):  # not an input such as pytest-args:
                 commands.append(line)
     return commands
 
@@ -81,6 +81,30 @@ def test_every_gating_leg_can_be_green():
             assert expectations == ""  # no torch distribution: every cell skips, said once
             continue
         assert expectations.startswith("suite:") and (ROOT / expectations.removeprefix("suite:")).is_file(), leg
+
+
+def test_the_mesh_leg_gates_the_2x2_cells_on_their_own_expectations():
+    """Issue 27, item 4: a gating leg at 4 ranks whose selection is the default tier's 2x2-mesh cells,
+    the Keras-sharded ones among them, judged strictly by a file recorded for them; every entry of
+    that file decides a cell the leg collects (none is there for nothing)."""
+    from keras_dtensor_conformance.report.expectations import Book, read, read_torch, torch_matches
+    from ruamel.yaml import YAML
+
+    mesh = YAML(typ="safe").load((ROOT / ".github" / "workflows" / "conformance.yml").read_text())["jobs"]["conformance-mesh"]
+    inputs = mesh["with"]
+    assert mesh["uses"] == "./.github/workflows/keras-conformance.yml" and "report-only" not in inputs
+    args = inputs["pytest-args"].split()
+    assert inputs["nproc"] == 4 and args[args.index("-m") + 1] == "mesh" and "--conformance-strict" in args
+    path = ROOT / inputs["expectations"].removeprefix("suite:")
+    releases, _ = read_torch(str(path))
+    assert torch_matches(releases, inputs["torch-version"]) and "nproc 4" in path.read_text().splitlines()[0]
+    collected = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q", "--nproc", "4", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    ids = re.findall(r"::(test_\w+\[[^\]]+\])", collected.stdout)
+    assert ids and all(i.endswith("-batchxmodel]") for i in ids), collected.stdout[-2000:]
+    assert "test_keras_sharded[pydataset-batchxmodel]" in ids  # the cell that proves the shard count
+    assert Book(read(str(path))).stale(set(ids)) == []
 
 
 def test_the_floor_gates_and_the_newest_torch_reports():
