@@ -114,9 +114,10 @@ def keras_sharded(cell: dict) -> bool:
 def keras_sharding_broken(cell: dict) -> bool:
     """Keras did not shard, or refused to (``data-not-sharded``); or a Keras-sharded cell hung or
     crashed: its processes were handed unequal numbers of steps, so one waited in a collective
-    its peers never entered (the uneven cells' failure mode)."""
+    its peers never entered (the uneven cells' failure mode); or its ``evaluate`` returned another
+    loss than the one over all the rows evaluated (``numerics``)."""
     return cell["verdict"] == DATA_NOT_SHARDED or (
-        keras_sharded(cell) and cell["verdict"] in (HANG_VERDICT, CRASH_VERDICT))
+        keras_sharded(cell) and cell["verdict"] in (HANG_VERDICT, CRASH_VERDICT, NUMERICS))
 
 
 def frozen_changed(cell: dict) -> bool:
@@ -197,8 +198,9 @@ PROMISES = (
                   "exception in Keras' input code breaks it too"),
     # issue 19, item 1: Keras' own data sharding (test_data_sharding.py, family "keras-sharded LAYOUT")
     Promise("keras-shards-input", "given the global dataset, Keras gives each process a distinct part, together "
-            "the whole", tests=keras_sharded, breaks=keras_sharding_broken,
-            scope="the rows each process's steps received, recorded on the ranks"),
+            "the whole, and evaluate returns the loss over all of it", tests=keras_sharded, breaks=keras_sharding_broken,
+            scope="the rows each process's steps received, recorded on the ranks; evaluate's loss on every "
+                  "rank against the loss over every row evaluated, in NumPy from the trained weights"),
     Promise("metrics-and-callbacks-agree", "every rank reports the metrics and takes the callback decisions "
             "of a single process", tests=agreement, breaks=lambda cell: agreement(cell) and (cell["verdict"] in (
                 NUMERICS, HANG_VERDICT) or judged_error(cell)),

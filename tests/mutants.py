@@ -739,6 +739,24 @@ ON_BATCH_CASES = (
         {"test_on_batch[test_on_batch-dataparallel]": "numerics"},
         tier=ON_BATCH_TIER,
     ),
+    # Keras-sharded evaluate (the global dataset, Keras shards it): each process returns the loss over
+    # its own shard. The on-batch evaluate cells (hand-fed) are in the tier as well. Only DataParallel
+    # shows it: under ModelParallel the loss is computed on the global batch DTensor, so the metric
+    # variables already hold the global values and the reduction only sums identical copies.
+    Case(
+        Mutant(
+            "evaluate-result-not-reduced",
+            "evaluate returns the metrics of this process's own rows, not reduced across processes (the "
+            "train and test steps still reduce theirs)",
+            (Patch(TORCH + "trainer.py",
+                   "        logs = pythonify_logs(self._get_metrics_result_or_logs(logs))\n",
+                   "        logs = pythonify_logs(BaseTrainer.get_metrics_result(self))  # mutant: no reduction\n"),),
+        ),
+        {"test_keras_sharded[pydataset-dataparallel]": "numerics", "test_on_batch[evaluate-dataparallel]": "numerics"},
+        tier=(*_sharded_ids("pydataset-dataparallel", "pydataset-batchshard", "pydataset-colshard"),
+              *(f"conformance/test_on_batch.py::test_on_batch[evaluate-{layout}]"
+                for layout in ("dataparallel", "batchshard", "colshard"))),
+    ),
     Case(
         Mutant(
             "predict-local-columns",

@@ -8,7 +8,7 @@ build can break the contract gets ``data-not-sharded`` with a message naming it.
 from __future__ import annotations
 
 import pytest
-from keras_dtensor_conformance.verdicts import DATA_NOT_SHARDED
+from keras_dtensor_conformance.verdicts import DATA_NOT_SHARDED, NUMERICS
 
 from conformance import axes
 from conformance.judge import batch_coordinates, data_sharding
@@ -135,3 +135,44 @@ def test_the_refusal_of_the_default_build_is_recognised():
             "provided as a `tf.data.Dataset` or a `keras.utils.PyDataset` instance.")
     assert data_sharding.refused(text)
     assert not data_sharding.refused("ValueError: something else")
+
+
+# -- evaluate's value: the loss over every row evaluated, on every rank ----------------------------
+
+#: Each global row's loss (as the rank computes it in NumPy from its trained weights): row i's is i.
+ROW_LOSSES = [float(i) for i in range(SAMPLES)]
+
+
+def evaluated(values: list[dict], losses: list[float]) -> list[dict]:
+    return [dict(v, evaluate_loss=loss, row_losses=ROW_LOSSES) for v, loss in zip(values, losses, strict=True)]
+
+
+def test_every_rank_returning_the_loss_over_all_rows_passes():
+    mean_of_all = sum(ROW_LOSSES) / SAMPLES  # 47.5: the two shards' rows together
+    assert data_sharding.evaluate_failure(evaluated(good(), [mean_of_all] * 2), DP) is None
+
+
+def test_a_rank_returning_its_own_shards_loss_is_numerics():
+    """The metrics not reduced across processes: shard 0 (even rows) has loss 47, shard 1 has 48."""
+    found = data_sharding.evaluate_failure(evaluated(good(), [47.0, 48.0]), DP)
+    assert found is not None and found[0] == NUMERICS
+    assert "rank 0 returned loss 47" in found[1] and "the loss over the 96 rows the 2 batch shard(s) evaluated is 47.5" \
+        in found[1] and "rank 1 returned loss 48" in found[1]
+
+
+def test_ranks_of_one_batch_coordinate_count_their_rows_once():
+    """A (1, n) mesh: every rank evaluates all rows; the loss is over them once, not n times."""
+    everything = list(range(SAMPLES))
+    values = [rank(r, [everything, reshuffled(everything)], everything) for r in range(2)]
+    coords = batch_coordinates(axes.LAYOUTS["colshard"], 2)
+    assert data_sharding.evaluate_failure(evaluated(values, [47.5, 47.5]), coords) is None
+    assert data_sharding.evaluate_failure(evaluated(values, [47.5, 95.0]), coords)[0] == NUMERICS
+
+
+def test_a_padded_row_counts_as_often_as_it_was_evaluated():
+    """An uneven count padded by DistributedSampler: the repeated row is in the loss twice."""
+    padded = [list(range(0, SAMPLES, 2)) + [0], list(range(1, SAMPLES, 2)) + [2]]  # one pad row each
+    values = [rank(s, [padded[s], padded[s]], padded[s]) for s in range(2)]
+    want = (sum(ROW_LOSSES) + 0 + 2) / (SAMPLES + 2)  # 46.55, not 47.5
+    assert data_sharding.evaluate_failure(evaluated(values, [want, want]), DP) is None
+    assert data_sharding.evaluate_failure(evaluated(values, [47.5, 47.5]), DP)[0] == NUMERICS

@@ -254,8 +254,9 @@ def batch_coordinates(layout: dict, nproc: int) -> dict[int, int]:
 
 
 def judge_keras_sharded(spec: dict, result, nproc: int) -> None:
-    """A Keras-sharded cell: ran everywhere, and the rows each process's steps received keep the
-    per-process contract (``data_sharding.data_failure``). A build that refuses to shard the
+    """A Keras-sharded cell: ran everywhere, the rows each process's steps received keep the
+    per-process contract (``data_sharding.data_failure``), and ``evaluate`` returned the loss over
+    every row evaluated (``data_sharding.evaluate_failure``). A build that refuses to shard the
     source itself is ``data-not-sharded`` too, with its own words: that is what it did not do."""
     if not result.ok:
         first = result.first_failure()
@@ -263,4 +264,6 @@ def judge_keras_sharded(spec: dict, result, nproc: int) -> None:
             raise CellFailure(DATA_NOT_SHARDED, f"Keras refused to shard the {spec['source']} source itself "
                               f"({first.error.type}: {first.error.message.splitlines()[0]})\n{result.story()}", result)
         fail(result)
-    raise_found(data_sharding.data_failure(spec, result.values, batch_coordinates(spec["layout"], nproc)), result)
+    coords = batch_coordinates(spec["layout"], nproc)
+    raise_found(data_sharding.data_failure(spec, result.values, coords)
+                or data_sharding.evaluate_failure(result.values, coords), result)

@@ -9,6 +9,11 @@ order; a ``(1, n)`` mesh has one batch shard, so every rank receives everything.
 ``_gather_non_batch_axes``: "each process gets every feature of the rows that it fed in"), so
 over the batch coordinates every row comes back once.
 
+``evaluate`` returns on every rank the loss over every row the batch shards evaluated (each batch
+coordinate's rows once, a padded row as often as it was fed), as one process evaluating them would:
+the judge computes it in NumPy from each rank's trained weights (``row_losses``), and a rank that
+returns another value (its own shard's loss: the metrics not reduced) is ``numerics``.
+
 A row count the shards do not divide: no row may be dropped. ``DistributedSampler`` (which Keras
 puts under a DataLoader) pads with up to ``shards - 1`` repeated rows so every process takes as
 many steps (torch documents this; a process with one step fewer leaves its peers waiting in a
@@ -22,7 +27,9 @@ from __future__ import annotations
 import re
 from collections import Counter
 
-from keras_dtensor_conformance import DATA_NOT_SHARDED
+from keras_dtensor_conformance import DATA_NOT_SHARDED, NUMERICS
+
+from conformance.judge.numerics import compare
 
 #: What a build says when it refuses to shard a source itself (``get_data_adapter``'s guard for a
 #: multi-process distribution with ``auto_shard_dataset``, written for tf.data on JAX/TF).
@@ -106,6 +113,24 @@ def data_failure(spec: dict, values: list[dict], coords: dict[int, int]) -> tupl
             problems.append(f"predict: rank {v['rank']} returned {len(v['predict_returned'])} predictions, not one for "
                             f"each of the {len(_flat(v['predict_fed']))} rows it fed")
     return (DATA_NOT_SHARDED, "\n".join(problems)) if problems else None
+
+
+def evaluate_failure(values: list[dict], coords: dict[int, int]) -> tuple[str, str] | None:
+    """(``numerics``, message) when a rank's ``evaluate`` returned another loss than the one over every
+    row the batch shards evaluated (one rank per batch coordinate), from that rank's trained weights;
+    None when all agree. Judged after ``data_failure``: with rows dropped or repeated, that is the bug."""
+    fed: dict[int, list[int]] = {}
+    for v in values:
+        fed.setdefault(coords[v["rank"]], _flat(v["evaluate"]))
+    rows = [row for part in fed.values() for row in part]
+    problems = []
+    for v in values:
+        want = sum(v["row_losses"][row] for row in rows) / len(rows)
+        problem = compare(f"evaluate: rank {v['rank']} returned loss {v['evaluate_loss']:.6g}", v["evaluate_loss"], want)
+        if problem:
+            problems.append(f"{problem}; the loss over the {len(rows)} rows the {len(fed)} batch shard(s) evaluated "
+                            f"is {want:.6g}")
+    return (NUMERICS, "\n".join(problems)) if problems else None
 
 
 def refused(text: str) -> bool:

@@ -9,7 +9,8 @@ distinct part of every epoch, and together the whole (``judge/data_sharding.py``
 
 Rows are told apart by value: every row of ``x`` is a distinct random vector, so a batch a step
 receives (a DTensor's local part: what this process fed) maps back to global row numbers exactly.
-Predictions are mapped back the same way, through a NumPy forward pass of the trained weights.
+Predictions are mapped back the same way, through a NumPy forward pass of the trained weights; the
+same pass gives each row's loss, from which the judge computes what ``evaluate`` must return.
 """
 
 from __future__ import annotations
@@ -156,15 +157,18 @@ def run(spec: dict) -> dict:
     model.fit(*args, epochs=EPOCHS, verbose=0, callbacks=[Epochs()], **kwargs)
     args, kwargs = make()
     kwargs.pop("shuffle", None)
-    model.evaluate(*args, verbose=0, **kwargs)
+    loss = model.evaluate(*args, verbose=0, **kwargs)
     args, kwargs = make()
     kwargs.pop("shuffle", None)
     prediction = model.predict(*args[:1], verbose=0, **kwargs)  # x alone: y is not predict's
+    expected = forward(model.get_weights(), x.astype("float64"))
     return {
         "rank": ctx.rank,
         "samples": len(x),
         "fit": fit_rows,
         "evaluate": evaluate_rows[0],
         "predict_fed": predict_rows[0],
-        "predict_returned": returned_rows(prediction, forward(model.get_weights(), x.astype("float64"))),
+        "predict_returned": returned_rows(prediction, expected),
+        "evaluate_loss": float(loss),
+        "row_losses": ((expected - y) ** 2).mean(axis=1).tolist(),  # mse per global row
     }
