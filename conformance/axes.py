@@ -217,10 +217,25 @@ POLICIES = cell_data.POLICIES
 #: The optimizers whose state meets the compute precision (moments of 16-bit gradients, a decoupled
 #: decay, the loss scale's own variables), which the mixed-precision cells run.
 MIXED_OPTIMIZERS = ("sgd", "adam", "adamw", "lossscale")
-#: The layouts besides colshard that the default tier runs each mixed policy on (Adam, arrays, nojit):
-#: a reduction split across the ranks (rowshard: partial sums in 16 bits) and DataParallel (gradients
-#: all-reduced by DDP); ``--full`` takes every layout.
-MIXED_DEFAULT_LAYOUTS = ("colshard", "rowshard", "dataparallel")
+#: The default tier's mixed cells (policy, optimizer, layout; the MLP, arrays, nojit), a covering
+#: design held to issue 27's budget (docs/matrix.md, "Tiers"): each policy on column-sharded kernels
+#: and under DataParallel (gradients all-reduced by DDP), a reduction split across the ranks (rowshard:
+#: partial sums in 16 bits), SGD, Adam and the loss scale; ``--full`` takes MIXED_OPTIMIZERS x every
+#: layout x {arrays, DataLoader} x every compile mode.
+MIXED_DEFAULT = (
+    ("mixed_bfloat16", "sgd", "colshard"), ("mixed_float16", "adam", "colshard"),
+    ("mixed_float16", "lossscale", "colshard"), ("mixed_bfloat16", "adam", "rowshard"),
+    ("mixed_bfloat16", "adam", "dataparallel"), ("mixed_float16", "adam", "dataparallel"),
+)
+#: The default tier's LoRA cells (model, layout; Adam, arrays, nojit): the LoRA kernels left to the
+#: build on column-sharded kernels and under DataParallel, sharded with a row-split kernel and on the
+#: 2x2 mesh (its gating leg); ``--full`` takes both models on every layout.
+LORA_DEFAULT = (("lora", "colshard"), ("lora", "dataparallel"), ("lora-sharded", "rowshard"),
+                ("lora-sharded", "batchxmodel"))
+#: The layouts the default tier runs the on-batch APIs on: one batch shard (colshard), a batch shard
+#: per process under ModelParallel (batchshard) and under DataParallel, and the 2x2 mesh (its gating
+#: leg); ``--full`` takes every layout, compiled too.
+ON_BATCH_DEFAULT_LAYOUTS = ("colshard", "batchshard", "dataparallel", "batchxmodel")
 
 check_optimizers(OPTIMIZERS)  # here: a row's default_cells are checked against the axes above
 
@@ -292,8 +307,7 @@ def training_cells(full: bool) -> list[tuple]:
       - every model x every layout, Adam, arrays, nojit; and every layout x compile mode, MLP;
       - the sources other than arrays and DataLoader off the column-sharded layout
         (``HAND_FED_SOURCES_OFF_COLUMN``: a covering design over DataParallel and batchshard);
-      - each mixed policy with the ``MIXED_OPTIMIZERS``, arrays, nojit, column-sharded, and with Adam
-        on ``MIXED_DEFAULT_LAYOUTS``.
+      - the LoRA models on ``LORA_DEFAULT``'s layouts and the mixed cells of ``MIXED_DEFAULT``.
     ``--full`` adds every optimizer x data source, and models x optimizers x compile modes.
     """
     cells = []
@@ -304,11 +318,11 @@ def training_cells(full: bool) -> list[tuple]:
     cells += _product(MODELS, ["adam"], ["arrays"], ["nojit"], LAYOUTS)
     cells += _product(["mlp"], ["sgd", "adam"], ["arrays", "dataloader"], COMPILE_MODES, LAYOUTS)
     cells += [(*cell, POLICIES[0]) for cell in HAND_FED_SOURCES_OFF_COLUMN]  # issue 19 item 4
-    cells += _product(LORA_MODELS, ["adam"], ["arrays"], ["nojit"], LAYOUTS)  # issue 27 item 2
-    mixed = POLICIES[1:]  # issue 27 item 1
-    cells += _product(["mlp"], MIXED_OPTIMIZERS, ["arrays"], ["nojit"], ["colshard"], mixed)
-    cells += _product(["mlp"], ["adam"], ["arrays"], ["nojit"], MIXED_DEFAULT_LAYOUTS, mixed)
+    cells += [(model, "adam", "arrays", "nojit", layout, POLICIES[0]) for model, layout in LORA_DEFAULT]  # issue 27
+    cells += [("mlp", optimizer, "arrays", "nojit", layout, policy) for policy, optimizer, layout in MIXED_DEFAULT]
+    mixed = POLICIES[1:]
     if full:
+        cells += _product(LORA_MODELS, ["adam"], ["arrays"], ["nojit"], LAYOUTS)
         cells += _product(["mlp"], MIXED_OPTIMIZERS, ["arrays", "dataloader"], COMPILE_MODES, LAYOUTS, mixed)
         # The other models with SGD: Adam turns 16-bit rounding in a near-zero gradient into a whole step
         # (docs/measurements.md, "Mixed precision"), SGD's step is the gradient's own size.

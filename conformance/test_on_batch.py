@@ -22,9 +22,11 @@ from conformance.ranks import on_batch as rank_on_batch
 
 
 def on_batch_cells(full: bool) -> list[tuple[str, str, str]]:
-    """(api, compile, layout): every API on every layout, and compiled too under ``--full``."""
+    """(api, compile, layout): every API on ``axes.ON_BATCH_DEFAULT_LAYOUTS``; under ``--full`` on every
+    layout, and compiled too."""
     modes = ("nojit", "jit") if full else ("nojit",)
-    return [(api, mode, layout) for mode in modes for api in rank_on_batch.APIS for layout in axes.LAYOUTS]
+    layouts = axes.LAYOUTS if full else axes.ON_BATCH_DEFAULT_LAYOUTS
+    return [(api, mode, layout) for mode in modes for api in rank_on_batch.APIS for layout in layouts]
 
 
 def on_batch_params(full: bool) -> list:

@@ -181,6 +181,8 @@ class Case:
     rank_timeout: int = 300
     #: --nproc for the run: 4 for a bug only the 2x2 mesh shows (1 < batch shards < processes).
     nproc: int = 2
+    #: --full for the run: its tier names cells only --full collects.
+    full: bool = False
 
     def verdict(self, cell: str) -> str:
         return self.expected.get(cell, "pass")
@@ -806,6 +808,7 @@ ON_BATCH_CASES = (
         tier=(*ON_BATCH_TIER, "conformance/test_on_batch.py::test_on_batch[predict-rowshard]",
               "conformance/test_fit.py::test_fit[adam-arrays-nojit-colshard]",
               "conformance/test_fit.py::test_fit[adam-arrays-nojit-batchshard]"),
+        full=True,  # predict-rowshard is --full's (axes.ON_BATCH_DEFAULT_LAYOUTS)
     ),
 )
 CASES = (*CASES, *ON_BATCH_CASES)
@@ -839,6 +842,7 @@ LORA_CASES = (
         # left out, and with it the update of the pair.
         LORA_SPLIT_NUMERICS,
         tier=LORA_TIER,
+        full=True,  # the LoRA cells beyond axes.LORA_DEFAULT are --full's
     ),
     Case(
         Mutant(
@@ -854,6 +858,7 @@ LORA_CASES = (
         ),
         LORA_SPLIT_NUMERICS,
         tier=LORA_TIER,
+        full=True,  # the LoRA cells beyond axes.LORA_DEFAULT are --full's
     ),
     # A correct build written differently: Dense with LoRA computes x @ kernel + scale * (x @ a) @ b,
     # the low-rank path that never forms the merged kernel, where the nightly adds a @ b to the
@@ -873,6 +878,7 @@ LORA_CASES = (
         ),
         {},
         tier=LORA_TIER,
+        full=True,  # the LoRA cells beyond axes.LORA_DEFAULT are --full's
     ),
 )
 CASES = (*CASES, *LORA_CASES)
@@ -1107,6 +1113,11 @@ UNMUTATED_FAILS = {"test_metrics[max-dataparallel]": "numerics", "test_metrics[m
 def unmutated_tier(nproc: int = 2) -> tuple[str, ...]:
     """Every cell some mutant's tier runs with ``nproc`` ranks: the unmutated build must pass them all."""
     return tuple(dict.fromkeys(cell for case in CASES if case.nproc == nproc for cell in case.tier))
+
+
+def unmutated_needs_full(nproc: int = 2) -> bool:
+    """Whether ``unmutated_tier(nproc)`` names cells only ``--full`` collects."""
+    return any(case.full for case in CASES if case.nproc == nproc)
 
 
 def unmutated_fails(nproc: int = 2) -> dict[str, str]:

@@ -61,9 +61,11 @@ def mutant_runs(request, keras_nightly_tree, shared_cache, tmp_path_factory):
         lane = threading.current_thread().name
         cache = caches.setdefault(lane, os.path.join(shared_cache, lane))
         if case is None:
-            return run_suite(keras_nightly_tree, mutants.unmutated_tier(nproc), out, cache_dir=cache, nproc=nproc)
+            return run_suite(keras_nightly_tree, mutants.unmutated_tier(nproc), out, cache_dir=cache, nproc=nproc,
+                             full=mutants.unmutated_needs_full(nproc))
         build = mutants.write_mutant(keras_nightly_tree, str(out / case.mutant.name), case.mutant)
-        verdicts = run_suite(build, tier(request, case), out, case.rank_timeout, cache_dir=cache, nproc=case.nproc)
+        verdicts = run_suite(build, tier(request, case), out, case.rank_timeout, cache_dir=cache, nproc=case.nproc,
+                             full=case.full)
         REPORTS[case.mutant.name] = out / "report.json"
         return verdicts
 
@@ -76,12 +78,13 @@ def mutant_runs(request, keras_nightly_tree, shared_cache, tmp_path_factory):
 
 
 def run_suite(keras_path: str, cells, out, rank_timeout: int = 300, cache_dir: str | None = None,
-              nproc: int = 2) -> dict[str, str]:
-    """Run ``cells`` against the build at ``keras_path`` with ``nproc`` ranks; return verdict per cell name."""
+              nproc: int = 2, full: bool = False) -> dict[str, str]:
+    """Run ``cells`` against the build at ``keras_path`` with ``nproc`` ranks (``--full``'s cells when
+    ``full``); return verdict per cell name."""
     report = str(out / "report.json")
     cache = ["-o", f"cache_dir={cache_dir}"] if cache_dir else ["-p", "no:cacheprovider"]
     cmd = [sys.executable, "-m", "pytest", *cache, "-q", f"--keras-path={keras_path}", "--nproc", str(nproc),
-           "--rank-timeout", str(rank_timeout), "--conformance-json", report, *cells]
+           "--rank-timeout", str(rank_timeout), "--conformance-json", report, *(["--full"] if full else []), *cells]
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert os.path.exists(report), proc.stdout[-3000:] + proc.stderr[-3000:]

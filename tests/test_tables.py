@@ -76,10 +76,18 @@ def test_a_float32_cell_is_what_it_was_before_the_policy_axis_and_a_mixed_one_na
     default = axes.training_cells(False)
     assert all(len(cell) == 6 and cell[5] in axes.POLICIES for cell in default)
     full = axes.training_cells(True)
+    mixed = [c for c in default if c[5] != "float32"]
+    assert {(c[5], c[1], c[4]) for c in mixed} == set(axes.MIXED_DEFAULT) and len(mixed) == len(axes.MIXED_DEFAULT)
+    assert {c[5] for c in mixed} == set(axes.POLICIES[1:])  # the covering design: each policy, layout kind,
+    assert {c[4] for c in mixed} == {"colshard", "rowshard", "dataparallel"}  # and a state kind in the default
+    assert {c[1] for c in mixed} >= {"sgd", "adam", "lossscale"}
     for policy in axes.POLICIES[1:]:  # the optimizers whose state meets the precision; --full: every layout
-        assert {c[4] for c in default if c[5] == policy} == set(axes.MIXED_DEFAULT_LAYOUTS)
-        assert {c[1] for c in default if c[5] == policy} == set(axes.MIXED_OPTIMIZERS)
+        assert {c[1] for c in full if c[5] == policy} >= set(axes.MIXED_OPTIMIZERS)
         assert {c[4] for c in full if c[5] == policy} == set(axes.LAYOUTS)
+    lora = {(c[0], c[4]) for c in default if c[0] in axes.LORA_MODELS}
+    assert lora == set(axes.LORA_DEFAULT) and {m for m, _ in lora} == set(axes.LORA_MODELS)
+    assert {(c[0], c[4]) for c in full if c[0] in axes.LORA_MODELS} == {
+        (m, layout) for m in axes.LORA_MODELS for layout in axes.LAYOUTS}
 
 
 def test_slot_counts_are_plain_data_a_reproducer_inlines():
