@@ -217,6 +217,14 @@ def _fit_ids(*names: str) -> tuple[str, ...]:
     return tuple(f"conformance/test_fit.py::test_fit[{n}]" for n in names)
 
 
+#: get_data_adapter's multi-process guard (written for tf.data on JAX and TensorFlow) lifted, so the
+#: array and DataLoader adapters shard themselves: the rewrite adapters-shard-arrays-and-dataloaders,
+#: and the base of the mutants that break that sharding.
+_GUARD_LIFTED = Patch(DATA_ADAPTERS + "__init__.py",
+                      '        and getattr(distribution, "_is_multi_process", False)\n',
+                      '        and False  # rewrite: the torch adapters shard arrays and DataLoaders themselves\n')
+
+
 #: The default tier's Keras-sharded cells, and the hand-fed ones of the same sources.
 _KERAS_SHARDED_DEFAULT = (
     *_sharded_ids("arrays-dataparallel", "tensors-batchshard", "dataloader-dataparallel",
@@ -550,9 +558,7 @@ CASES = (
         Mutant(
             "adapters-shard-arrays-and-dataloaders",
             "a correct rewrite, not a bug: arrays, tensors and DataLoaders sharded by their adapters",
-            (Patch(DATA_ADAPTERS + "__init__.py",
-                   '        and getattr(distribution, "_is_multi_process", False)\n',
-                   '        and False  # rewrite: the torch adapters shard arrays and DataLoaders themselves\n'),),
+            (_GUARD_LIFTED,),
         ),
         {},
         tier=_KERAS_SHARDED_DEFAULT,
@@ -565,9 +571,7 @@ CASES = (
             "sampler-seed-per-rank",
             "the DataLoader adapter's DistributedSampler seeded per process (seed=rank): the shards come from "
             "different permutations, overlapping and missing rows",
-            (Patch(DATA_ADAPTERS + "__init__.py",
-                   '        and getattr(distribution, "_is_multi_process", False)\n',
-                   '        and False  # the rewrite above\n'),
+            (_GUARD_LIFTED,
              Patch(DATA_ADAPTERS + "torch_data_loader_adapter.py",
                    "                    rank=self._data_shard_id,\n",
                    "                    rank=self._data_shard_id,\n"
@@ -1054,9 +1058,6 @@ CASES = (*CASES, *STATE_CASES)
 # shard per process) is the cell where a shard count from the process count is still right.
 _MESH_SHARDED = _sharded_ids("pydataset-batchxmodel", "arrays-batchxmodel", "dataloader-sampler-batchxmodel",
                              "pydataset-dataparallel")
-_GUARD_LIFTED = Patch(DATA_ADAPTERS + "__init__.py",
-                      '        and getattr(distribution, "_is_multi_process", False)\n',
-                      '        and False  # as adapters-shard-arrays-and-dataloaders\n')
 MESH_CASES = (
     Case(
         Mutant(
