@@ -8,6 +8,7 @@ import signal
 import subprocess
 import time
 
+import psutil
 import pytest
 
 from tests.conftest import alive
@@ -205,12 +206,24 @@ def test_hangs(dist_ranks):
 """
 
 
+def is_rank(proc) -> bool:
+    """A rank: ``python -m ...rank.worker``, or forked by the session's zygote (which shows the
+    zygote's command line) and not the zygote itself."""
+    try:
+        if any(part.endswith("rank.worker") for part in proc.cmdline()):
+            return True
+        parent = proc.parent()
+        return parent is not None and any(part.endswith("rank.zygote") for part in parent.cmdline())
+    except psutil.Error:
+        return False
+
+
 def start_a_hanging_session(inner, *args: str) -> tuple:
     inner.pytester.makepyfile(CELLS + HANGING_CELL)
     proc = inner.popen("-k", "hangs", "-s", *args)
 
     def rank_workers():
-        found = [p for p in inner.leftovers() if any(part.endswith("rank.worker") for part in p.cmdline())]
+        found = [p for p in inner.leftovers() if is_rank(p)]
         return found if len(found) == 2 else None
 
     ranks = wait_for(rank_workers, 120, "the ranks to start")

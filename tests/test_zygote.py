@@ -1,0 +1,99 @@
+"""The zygote (``controller/zygote.py``): children forked from it are the processes ``python -m``
+would have started, with their own environment, session, files and exit codes; where it cannot
+serve a child (another interpreter start-up, a zygote that is not single-threaded), the child is
+started afresh instead, and the session's ranks are its children."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+
+import psutil
+import pytest
+from keras_dtensor_conformance.controller.launch import LaunchConfig
+from keras_dtensor_conformance.controller.zygote import ForkedProcess, Zygote
+
+from tests import torch_cells
+
+CHILD = "tests.zygote_child"
+
+
+@pytest.fixture
+def zygote(tmp_path):
+    env = LaunchConfig(None, str(tmp_path / "home")).base_env()
+    z = Zygote(dict(env, KDC_ZYGOTE_ONLY="zygote"), str(tmp_path / "z"))
+    z.start()
+    yield z
+    z.close()
+
+
+def spawn(zygote, tmp_path, *argv, **env):
+    base = {k: v for k, v in zygote.env.items() if k != "KDC_ZYGOTE_ONLY"}
+    out, err = str(tmp_path / "out"), str(tmp_path / "err")
+    return zygote.spawn(CHILD, list(argv), dict(base, **env), out, err), out, err
+
+
+def test_a_forked_child_is_the_process_python_m_would_start(zygote, tmp_path):
+    proc, out, err = spawn(zygote, tmp_path, "describe", KDC_TEST_CHILD="child", OMP_NUM_THREADS="2")
+    assert isinstance(proc, ForkedProcess), zygote.why_not
+    assert proc.wait(timeout=60) == 0
+    seen = json.loads(open(out).read())
+    assert seen["pid"] == proc.pid and seen["ppid"] == zygote.info["pid"]
+    assert seen["sid"] == proc.pid  # a session of its own, as start_new_session gives
+    assert seen["argv"] == ["describe"] and seen["main"].endswith(os.path.join("tests", "zygote_child.py"))
+    assert seen["cwd"] == os.getcwd()
+    assert seen["env"] == "child" and seen["zygote_only"] is None  # its environment, not the zygote's
+    assert seen["threads"] == 2  # OMP_NUM_THREADS as the child has it, not the zygote's 1
+    assert not seen["keras_imported"]  # the build under test is the child's to import
+    assert open(err).read() == "to stderr\n"
+
+
+@pytest.mark.parametrize(("argv", "code"), [(["exit", "3"], 3), (["raise"], 1), (["kill-self"], -signal.SIGKILL)],
+                         ids=["exit-3", "uncaught-exception", "killed"])
+def test_a_forked_childs_exit_code_is_what_popen_would_report(zygote, tmp_path, argv, code):
+    proc, _, err = spawn(zygote, tmp_path, *argv)
+    assert isinstance(proc, ForkedProcess), zygote.why_not
+    assert proc.wait(timeout=60) == code
+    if argv == ["raise"]:
+        assert "ValueError: the child's own error" in open(err).read()
+
+
+def test_waiting_for_a_forked_child_times_out_and_it_can_be_killed(zygote, tmp_path):
+    proc, _, _ = spawn(zygote, tmp_path, "sleep")
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(timeout=0.5)
+    assert proc.poll() is None
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+
+
+def test_a_child_with_another_interpreter_start_up_is_started_afresh(zygote, tmp_path):
+    proc, out, _ = spawn(zygote, tmp_path, "describe", PYTHONPATH=str(tmp_path))
+    assert isinstance(proc, subprocess.Popen)
+    assert proc.wait(timeout=120) == 0
+    assert json.loads(open(out).read())["ppid"] == os.getpid()
+
+
+def test_a_zygote_with_threads_is_not_forked(tmp_path):
+    # OpenBLAS starts its pool at import when allowed more than one thread: forking then is unsafe.
+    env = dict(LaunchConfig(None, str(tmp_path / "home")).base_env(), OPENBLAS_NUM_THREADS="2")
+    zygote = Zygote(env, str(tmp_path / "z"))
+    zygote.start()
+    try:
+        proc, out, _ = spawn(zygote, tmp_path, "describe")
+        assert isinstance(proc, subprocess.Popen)
+        assert "threads after its imports" in zygote.why_not
+        assert proc.wait(timeout=120) == 0
+    finally:
+        zygote.close()
+
+
+def test_the_sessions_ranks_are_forked_from_its_zygote(dist_ranks, conformance_state):
+    zygote = conformance_state.manager.zygote
+    assert zygote is not None and zygote.serving, zygote and zygote.why_not
+    dist_ranks.run(torch_cells.whoami)
+    for pid in dist_ranks.pids:
+        assert psutil.Process(pid).ppid() == zygote.info["pid"]
+

@@ -1,0 +1,36 @@
+"""Run by tests/test_zygote.py as ``python -m tests.zygote_child MODE``: says what process it is."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    if mode == "describe":
+        import torch
+
+        print(json.dumps({
+            "argv": sys.argv[1:],
+            "pid": os.getpid(),
+            "ppid": os.getppid(),
+            "sid": os.getsid(0),
+            "cwd": os.getcwd(),
+            "env": os.environ.get("KDC_TEST_CHILD"),
+            "zygote_only": os.environ.get("KDC_ZYGOTE_ONLY"),
+            "threads": torch.get_num_threads(),
+            "keras_imported": "keras" in sys.modules,
+            "main": sys.modules["__main__"].__file__,
+        }))
+        print("to stderr", file=sys.stderr)
+    elif mode == "exit":
+        sys.exit(int(sys.argv[2]))
+    elif mode == "raise":
+        raise ValueError("the child's own error")
+    elif mode == "sleep":
+        time.sleep(60)
+    elif mode == "kill-self":
+        os.kill(os.getpid(), signal.SIGKILL)
