@@ -27,11 +27,14 @@ def _mesh():
 
 
 def sharded_matmul() -> dict:
-    """A row-sharded DTensor matmul; every rank returns its shard and the gathered result."""
+    """A row-sharded DTensor matmul; every rank returns its shard and the gathered result. The
+    operands are made on the rank's device: ``distribute_tensor`` moves them to the mesh's, and the
+    plain product they are checked against must be computed there too (cuda under NCCL)."""
     mesh = _mesh()
     torch.manual_seed(0)
-    a = torch.randn(8, 4)
-    b = torch.randn(4, 3)
+    device = rank_context.current().torch_device()
+    a = torch.randn(8, 4).to(device)
+    b = torch.randn(4, 3).to(device)
     da = distribute_tensor(a, mesh, [Shard(0)])
     db = distribute_tensor(b, mesh, [Replicate()])
     out = da @ db
