@@ -50,6 +50,20 @@ def test_a_forked_child_is_the_process_python_m_would_start(zygote, tmp_path):
     assert open(err).read() == "to stderr\n"
 
 
+def test_forked_children_draw_their_own_random_numbers(zygote, tmp_path):
+    """As fresh processes do: NumPy's global generator and ``random`` are not the zygote's copy."""
+    draws = []
+    for i in range(2):
+        out, err = str(tmp_path / f"out{i}"), str(tmp_path / f"err{i}")
+        base = {k: v for k, v in zygote.env.items() if k != "KDC_ZYGOTE_ONLY"}
+        proc = zygote.spawn(CHILD, ["draw"], base, out, err)
+        assert isinstance(proc, ForkedProcess), zygote.why_not
+        assert proc.wait(timeout=60) == 0, open(err).read()
+        draws.append(json.loads(open(out).read()))
+    assert draws[0]["numpy"] != draws[1]["numpy"]
+    assert draws[0]["random"] != draws[1]["random"]
+
+
 @pytest.mark.parametrize(("argv", "code"), [(["exit", "3"], 3), (["raise"], 1), (["kill-self"], -signal.SIGKILL)],
                          ids=["exit-3", "uncaught-exception", "killed"])
 def test_a_forked_childs_exit_code_is_what_popen_would_report(zygote, tmp_path, argv, code):
