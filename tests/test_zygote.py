@@ -13,7 +13,7 @@ import subprocess
 import psutil
 import pytest
 from keras_dtensor_conformance.controller.launch import LaunchConfig
-from keras_dtensor_conformance.controller.zygote import ForkedProcess, Zygote
+from keras_dtensor_conformance.controller.zygote import ForkedProcess, Zygote, shadowed
 
 from tests import torch_cells
 
@@ -83,11 +83,64 @@ def test_waiting_for_a_forked_child_times_out_and_it_can_be_killed(zygote, tmp_p
     assert proc.wait(timeout=30) == -signal.SIGKILL
 
 
+def test_a_child_with_another_pythonpath_has_it_first_on_sys_path(zygote, tmp_path):
+    """As a pool on another build (``--benchmark-against``) has: the build first, the zygote's gone."""
+    other = tmp_path / "other-build"
+    other.mkdir()
+    proc, out, _ = spawn(zygote, tmp_path, "describe", PYTHONPATH=str(other))
+    assert isinstance(proc, ForkedProcess), zygote.why_not
+    assert proc.wait(timeout=60) == 0
+    path = json.loads(open(out).read())["sys_path"]
+    assert path[:2] == [os.getcwd(), str(other)]
+    zygote_entries = [p for p in zygote.env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    assert not set(zygote_entries) & set(path)
+
+
 def test_a_child_with_another_interpreter_start_up_is_started_afresh(zygote, tmp_path):
-    proc, out, _ = spawn(zygote, tmp_path, "describe", PYTHONPATH=str(tmp_path))
+    proc, out, _ = spawn(zygote, tmp_path, "describe", PYTHONHASHSEED="7")
     assert isinstance(proc, subprocess.Popen)
     assert proc.wait(timeout=120) == 0
     assert json.loads(open(out).read())["ppid"] == os.getpid()
+
+
+def test_a_child_is_started_afresh_when_the_zygote_imported_from_its_pythonpath(tmp_path):
+    """Then a child on another PYTHONPATH might find a module where it would not have looked."""
+    shim = tmp_path / "shim"
+    (shim / "rich").mkdir(parents=True)  # a module of PRELOAD, found in the zygote's PYTHONPATH
+    (shim / "rich" / "__init__.py").write_text("")
+    env = dict(LaunchConfig(None, str(tmp_path / "home")).base_env(), PYTHONPATH=str(shim))
+    zygote = Zygote(env, str(tmp_path / "z"))
+    zygote.start()
+    try:
+        proc, _, _ = spawn(zygote, tmp_path, "describe", PYTHONPATH=str(tmp_path))
+        assert zygote.info["from_pythonpath"] == ["rich"]
+        assert isinstance(proc, subprocess.Popen)
+        assert proc.wait(timeout=120) == 0
+        same, _, _ = spawn(zygote, tmp_path, "describe")  # its own PYTHONPATH: forked
+        assert isinstance(same, ForkedProcess) and same.wait(timeout=60) == 0
+    finally:
+        zygote.close()
+
+
+def test_a_child_whose_pythonpath_holds_a_module_the_zygote_imported_is_started_afresh(zygote, tmp_path):
+    """Its ``python -m`` would have imported that module from there, not inherited the zygote's."""
+    other = tmp_path / "other-venv"
+    (other / "rich").mkdir(parents=True)
+    (other / "rich" / "__init__.py").write_text("")
+    proc, out, _ = spawn(zygote, tmp_path, "describe", PYTHONPATH=str(other))
+    assert isinstance(proc, subprocess.Popen)
+    assert proc.wait(timeout=120) == 0
+    assert json.loads(open(out).read())["ppid"] == os.getpid()
+
+
+def test_shadowed_finds_packages_modules_and_extensions(tmp_path):
+    (tmp_path / "a" / "torch").mkdir(parents=True)
+    (tmp_path / "b").mkdir()
+    for name in ("rich.py", "psutil.cpython-311-x86_64-linux-gnu.so", "numpy-2.4.0.dist-info", "keras.py"):
+        (tmp_path / "b" / name).write_text("")
+    path = os.pathsep.join([str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "missing")])
+    assert shadowed(path, ["torch", "rich", "psutil", "numpy", "sys"]) == ["psutil", "rich", "torch"]
+    assert shadowed("", ["torch"]) == []
 
 
 def test_a_zygote_with_threads_is_not_forked(tmp_path):

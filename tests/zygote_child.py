@@ -24,6 +24,7 @@ if __name__ == "__main__":
             "threads": torch.get_num_threads(),
             "keras_imported": "keras" in sys.modules,
             "main": sys.modules["__main__"].__file__,
+            "sys_path": sys.path,
         }))
         print("to stderr", file=sys.stderr)
     elif mode == "draw":
