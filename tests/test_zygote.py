@@ -14,6 +14,7 @@ import psutil
 import pytest
 from keras_dtensor_conformance.controller.launch import LaunchConfig
 from keras_dtensor_conformance.controller.zygote import ForkedProcess, Zygote, shadowed
+from keras_dtensor_conformance.rank.zygote import pythonpath_entries
 
 from tests import torch_cells
 
@@ -53,10 +54,8 @@ def test_a_forked_child_is_the_process_python_m_would_start(zygote, tmp_path):
 def test_forked_children_draw_their_own_random_numbers(zygote, tmp_path):
     """As fresh processes do: NumPy's global generator and ``random`` are not the zygote's copy."""
     draws = []
-    for i in range(2):
-        out, err = str(tmp_path / f"out{i}"), str(tmp_path / f"err{i}")
-        base = {k: v for k, v in zygote.env.items() if k != "KDC_ZYGOTE_ONLY"}
-        proc = zygote.spawn(CHILD, ["draw"], base, out, err)
+    for _ in range(2):  # each child's output is read before the next one's overwrites it
+        proc, out, err = spawn(zygote, tmp_path, "draw")
         assert isinstance(proc, ForkedProcess), zygote.why_not
         assert proc.wait(timeout=60) == 0, open(err).read()
         draws.append(json.loads(open(out).read()))
@@ -92,8 +91,7 @@ def test_a_child_with_another_pythonpath_has_it_first_on_sys_path(zygote, tmp_pa
     assert proc.wait(timeout=60) == 0
     path = json.loads(open(out).read())["sys_path"]
     assert path[:2] == [os.getcwd(), str(other)]
-    zygote_entries = [p for p in zygote.env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    assert not set(zygote_entries) & set(path)
+    assert not set(pythonpath_entries(zygote.env.get("PYTHONPATH", ""))) & set(path)
 
 
 def test_a_child_with_another_interpreter_start_up_is_started_afresh(zygote, tmp_path):
