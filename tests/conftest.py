@@ -137,6 +137,56 @@ def pytest_addoption(parser):
                           "training verdict, a judged training verdict, a judged op verdict), or every one.")
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "measures_time: no mutant-kit session runs beside this test (it times "
+                                       "something, and the kit's sessions would load the machine)")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    """The tests that measure time first, on a machine the kit does not load yet; the mutant kit's
+    tests last: its sessions run one at a time beside the other tests (``mutant_kit``), two at a
+    time from there on."""
+    def place(item) -> int:
+        if item.get_closest_marker("measures_time") is not None:
+            return 0
+        return 2 if getattr(getattr(item, "module", None), "__name__", None) == "tests.test_mutants" else 1
+
+    items.sort(key=place)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def mutant_kit(request, tmp_path_factory):
+    """The kit's selected sessions (``tests/test_mutants.Kit``), queued before the first test so
+    they use what the other self-tests leave of the CPU; None where no kit test is selected."""
+    from tests import test_mutants
+
+    selected = test_mutants.selected_sessions(request.session.items)
+    if not selected:
+        yield None
+        return
+    kit = test_mutants.Kit(selected, request.getfixturevalue("keras_nightly_tree"), tmp_path_factory,
+                           lambda case: test_mutants.tier(request.config, case))
+    yield kit
+    kit.close()
+
+
+@pytest.fixture(autouse=True)
+def _quiet_for_timing(request, mutant_kit):
+    """A test marked ``measures_time`` runs with no kit session beside it; the first test that does
+    not opens the kit's lane beside the other tests."""
+    if mutant_kit is None:
+        yield
+    elif request.node.get_closest_marker("measures_time") is None:
+        from tests.test_mutants import BESIDE_OTHER_TESTS
+
+        mutant_kit.lanes.widen(BESIDE_OTHER_TESTS)
+        yield
+    else:
+        with mutant_kit.lanes.quiet():
+            yield
+
+
 def pytest_terminal_summary(terminalreporter):
     from tests.test_mutants import mutation_score
 

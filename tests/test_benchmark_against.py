@@ -117,6 +117,7 @@ def test_a_call_that_continues_the_last_one_skips_the_reset(monkeypatch):
     assert resets == ["snapshot", "snapshot"]
 
 
+@pytest.mark.measures_time
 def test_the_short_version_flags_a_slowed_build_and_not_a_copy(tmp_path):
     """CI's short version: one cell, one session each way, few pairs, a slowdown no noise here hides."""
     out = tmp_path / "ab.json"

@@ -12,6 +12,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.mutants import SLOW_OPTIMIZER, write_mutant
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,6 +29,7 @@ def bench(keras_path: str, storage: str, *extra: str) -> subprocess.CompletedPro
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
+@pytest.mark.measures_time
 def test_compare_fail_flags_a_slowed_optimizer_and_not_a_rerun(keras_nightly_tree, tmp_path):
     storage = str(tmp_path / "benchmarks")
     baseline = bench(keras_nightly_tree, storage, "--benchmark-autosave")

@@ -10,10 +10,14 @@ instead, and reports how many verdicts changed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -25,56 +29,109 @@ CAUGHT: dict[str, bool] = {}
 REPORTS: dict = {}
 
 
-#: Mutant sessions run two at a time: one session keeps about 1.4 of the 2 cores busy (its ranks
-#: wait on each other in collectives, its references on the ranks), so a second fills the rest.
+#: Mutant sessions run two at a time once the kit's own tests are reached: one session keeps about
+#: 1.4 of the 2 cores busy (its ranks wait on each other in collectives, its references on the
+#: ranks), so a second fills the rest.
 SIDE_BY_SIDE = 2
+#: Before that, while the other self-tests run (they leave a core mostly idle: hang and Ctrl-C
+#: tests wait, most sessions are one process at a time), one session at a time, from the start.
+BESIDE_OTHER_TESTS = 1
 
 
-@pytest.fixture(scope="module")
-def shared_cache(tmp_path_factory) -> str:
-    """One pytest cache folder for the mutants' sessions: what they share is the JAX reference's
-    XLA executables (``conformance/conftest.JAX_CACHE``), keyed by the lowered program, so a mutant
-    of JAX-side code compiles its own and the others load what an earlier session compiled."""
-    return str(tmp_path_factory.mktemp("mutant-sessions-cache"))
+class Lanes:
+    """How many kit sessions may run at once: ``width``, and none while a test that measures time
+    holds ``quiet`` (it waits for the running ones to end first)."""
+
+    def __init__(self, width: int):
+        self.width, self.active, self.held = width, 0, 0
+        self.changed = threading.Condition()
+
+    @contextlib.contextmanager
+    def slot(self):
+        with self.changed:
+            self.changed.wait_for(lambda: self.held == 0 and self.active < self.width)
+            self.active += 1
+        try:
+            yield
+        finally:
+            with self.changed:
+                self.active -= 1
+                self.changed.notify_all()
+
+    def widen(self, width: int) -> None:
+        with self.changed:
+            self.width = max(self.width, width)
+            self.changed.notify_all()
+
+    @contextlib.contextmanager
+    def quiet(self):
+        with self.changed:
+            self.held += 1
+            self.changed.wait_for(lambda: self.active == 0)
+        try:
+            yield
+        finally:
+            with self.changed:
+                self.held -= 1
+                self.changed.notify_all()
 
 
-@pytest.fixture(scope="module")
-def mutant_runs(request, keras_nightly_tree, shared_cache, tmp_path_factory):
-    """Every selected session, started when the first test asks, SIDE_BY_SIDE at a time in the
-    tests' order: the unmutated build's tier per rank count (``unmutated-nprocN``), then each
-    mutant's; each test waits for its own verdicts and judges them. Each lane has its own cache
-    folder (a cache is not written by two sessions at once)."""
-    import threading
-    from concurrent.futures import ThreadPoolExecutor
-
+def selected_sessions(items) -> list[tuple[str, mutants.Case | None, int]]:
+    """The kit sessions the selected tests wait for, in the tests' order: the unmutated build's tier
+    per rank count (``unmutated-nprocN``), then each mutant's."""
     selected = []
-    for item in request.session.items:
+    for item in items:
         params = getattr(item, "callspec", None) and item.callspec.params
         if getattr(item, "originalname", None) == "test_unmutated_build_passes_the_mutant_tier":
             selected.append((f"unmutated-nproc{params['nproc']}", None, params["nproc"]))
         elif getattr(item, "originalname", None) == "test_mutant_gets_exactly_its_verdicts":
             selected.append((params["case"].mutant.name, params["case"], params["case"].nproc))
-    caches: dict[str, str] = {}
+    return selected
 
-    def run(name: str, case: mutants.Case | None, nproc: int) -> dict[str, str]:
-        out = tmp_path_factory.mktemp(name)
-        lane = threading.current_thread().name
-        cache = caches.setdefault(lane, os.path.join(shared_cache, lane))
-        if case is None:
-            return run_suite(keras_nightly_tree, mutants.unmutated_tier(nproc), out, cache_dir=cache, nproc=nproc,
-                             full=mutants.unmutated_needs_full(nproc))
-        build = mutants.write_mutant(keras_nightly_tree, str(out / case.mutant.name), case.mutant)
-        verdicts = run_suite(build, tier(request, case), out, case.rank_timeout, cache_dir=cache, nproc=case.nproc,
-                             full=case.full)
-        REPORTS[case.mutant.name] = out / "report.json"
-        return verdicts
 
-    pool = ThreadPoolExecutor(SIDE_BY_SIDE, thread_name_prefix="mutant-lane")
-    futures = {name: pool.submit(run, name, case, nproc) for name, case, nproc in selected}
-    yield futures
-    for future in futures.values():
-        future.cancel()
-    pool.shutdown(wait=True)
+class Kit:
+    """The selected kit sessions, queued at the session's start (``tests/conftest.mutant_kit``) in
+    ``Lanes``: none while the tests that measure time run (they come first), then one beside the
+    other self-tests, ``SIDE_BY_SIDE`` once the kit's own tests run (they come last). ``futures``: session name -> its verdict per cell. Each lane has its own pytest
+    cache folder (a cache is not written by two sessions at once), all of them in one place: what
+    a lane's sessions share is the JAX reference's XLA executables (``conformance/conftest.JAX_CACHE``),
+    keyed by the lowered program, so a mutant of JAX-side code compiles its own and the others load
+    what an earlier session compiled."""
+
+    def __init__(self, selected, keras_tree: str, tmp_path_factory, tier_of):
+        self.lanes = Lanes(0)  # opened by the first test that does not measure time
+        shared_cache = tmp_path_factory.mktemp("mutant-sessions-cache")
+        caches: dict[str, str] = {}
+
+        def run(name: str, case: mutants.Case | None, nproc: int) -> dict[str, str]:
+            with self.lanes.slot():
+                out = tmp_path_factory.mktemp(name)
+                cache = caches.setdefault(threading.current_thread().name,
+                                          os.path.join(shared_cache, threading.current_thread().name))
+                if case is None:
+                    return run_suite(keras_tree, mutants.unmutated_tier(nproc), out, cache_dir=cache, nproc=nproc,
+                                     full=mutants.unmutated_needs_full(nproc))
+                build = mutants.write_mutant(keras_tree, str(out / case.mutant.name), case.mutant)
+                verdicts = run_suite(build, tier_of(case), out, case.rank_timeout, cache_dir=cache,
+                                     nproc=case.nproc, full=case.full)
+                REPORTS[case.mutant.name] = out / "report.json"
+                return verdicts
+
+        self.pool = ThreadPoolExecutor(SIDE_BY_SIDE, thread_name_prefix="mutant-lane")
+        self.futures = {name: self.pool.submit(run, name, case, nproc) for name, case, nproc in selected}
+
+    def close(self) -> None:
+        for future in self.futures.values():
+            future.cancel()
+        self.pool.shutdown(wait=True)
+
+
+@pytest.fixture(scope="module")
+def mutant_runs(mutant_kit):
+    """The kit's sessions (``Kit.futures``), two at a time from here on; each test waits for its
+    own verdicts and judges them."""
+    mutant_kit.lanes.widen(SIDE_BY_SIDE)
+    return mutant_kit.futures
 
 
 def run_suite(keras_path: str, cells, out, rank_timeout: int = 300, cache_dir: str | None = None,
@@ -92,8 +149,8 @@ def run_suite(keras_path: str, cells, out, rank_timeout: int = 300, cache_dir: s
         return {c["id"]: c["verdict"] or "skipped" for c in json.load(f)["cells"]}
 
 
-def tier(request, case: mutants.Case):
-    if request.config.getoption("mutants_tier") == "default":
+def tier(config: pytest.Config, case: mutants.Case):
+    if config.getoption("mutants_tier") == "default":
         return ["conformance"]
     return list(case.tier)
 
@@ -181,3 +238,46 @@ def test_a_mutant_tree_runs_its_patch_not_the_source_trees_bytecode(tmp_path):
                          env=env, capture_output=True, text=True, cwd=tmp_path).stdout.split()
     assert out == ["patched!", "untouched"]
     assert open(source / "pkg" / "mod.py").read() == "VALUE = 'original'\n"  # the hard link was broken
+
+
+def test_lanes_hold_new_sessions_while_a_test_measures_time():
+    """``quiet`` waits for the running session, and no session starts until it is over; ``width``
+    sessions at most run at once, and widening lets a waiting one in."""
+    lanes, events = Lanes(1), []
+    first_in, release_first, quiet_in, release_quiet = (threading.Event() for _ in range(4))
+
+    def session(name: str, hold: threading.Event | None = None):
+        with lanes.slot():
+            events.append(f"{name} starts")
+            if hold is not None:
+                first_in.set()
+                hold.wait(10)
+            events.append(f"{name} ends")
+
+    def measure():
+        with lanes.quiet():
+            quiet_in.set()
+            events.append("measured")
+            release_quiet.wait(10)
+
+    runner = ThreadPoolExecutor(3)
+    first = runner.submit(session, "first", release_first)
+    assert first_in.wait(10)
+    second = runner.submit(session, "second")  # waits: one lane
+    measuring = runner.submit(measure)
+    while lanes.held == 0:
+        time.sleep(0.01)
+    assert not quiet_in.wait(0.2)  # the first session still runs
+    release_first.set()
+    assert quiet_in.wait(10)
+    time.sleep(0.2)  # the lane is free now: only quiet keeps the second session out
+    assert events == ["first starts", "first ends", "measured"]
+    release_quiet.set()
+    for done in (first, second, measuring):
+        done.result(10)
+    assert events[3:] == ["second starts", "second ends"]
+    assert (lanes.active, lanes.held) == (0, 0)
+    lanes.widen(2)
+    with lanes.slot(), lanes.slot():  # two at once, without waiting
+        assert lanes.active == 2
+    runner.shutdown()
