@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from tests.mutants import SLOW_OPTIMIZER, write_mutant
+from tests.test_mutants import session_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 THRESHOLD = "min:300%"  # docs/benchmarks.md, "Noise, and the threshold": what five runs of one build stay within here
@@ -25,7 +26,7 @@ def bench(keras_path: str, storage: str, *extra: str) -> subprocess.CompletedPro
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "conformance/test_benchmarks.py",
            "--benchmark-only", "-k", CELLS, "--keras-path", keras_path, f"--benchmark-storage=file://{storage}",
            *extra]
-    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    env = session_env()
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 

@@ -17,6 +17,8 @@ import sys
 import pytest
 from keras_dtensor_conformance import early_args
 
+from tests.test_mutants import session_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -34,7 +36,7 @@ def checkout_with_pytest_config(keras_nightly_tree, tmp_path_factory) -> str:
 
 def collect(*args: str) -> tuple[str, str, list[str]]:
     """(rootdir, configfile, collected node ids) of ``pytest --collect-only ARGS`` run from the project root."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    env = session_env()
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", *args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr

@@ -92,14 +92,20 @@ def selected_sessions(items) -> list[tuple[str, mutants.Case | None, int]]:
 class Kit:
     """The selected kit sessions, queued at the session's start (``tests/conftest.mutant_kit``) in
     ``Lanes``: none while the tests that measure time run (they come first), then one beside the
-    other self-tests, ``SIDE_BY_SIDE`` once the kit's own tests run (they come last). ``futures``: session name -> its verdict per cell. Each lane has its own pytest
-    cache folder (a cache is not written by two sessions at once), all of them in one place: what
-    a lane's sessions share is the JAX reference's XLA executables (``conformance/conftest.JAX_CACHE``),
-    keyed by the lowered program, so a mutant of JAX-side code compiles its own and the others load
-    what an earlier session compiled."""
+    other self-tests, ``SIDE_BY_SIDE`` once the kit's own tests run (they come last), each with
+    ``runner`` (``run_suite``) in the environment the kit started in. ``futures``: session name ->
+    its verdict per cell. Each lane has its own pytest cache folder (a cache is not written by two
+    sessions at once), all of them in one place: what a lane's sessions share is the JAX
+    reference's XLA executables (``conformance/conftest.JAX_CACHE``), keyed by the lowered program,
+    so a mutant of JAX-side code compiles its own and the others load what an earlier session
+    compiled."""
 
-    def __init__(self, selected, keras_tree: str, tmp_path_factory, tier_of):
+    def __init__(self, selected, keras_tree: str, tmp_path_factory, tier_of, runner=None):
         self.lanes = Lanes(0)  # opened by the first test that does not measure time
+        # The environment as the session started: a test beside a kit session may change the
+        # process's own (``monkeypatch.setenv("TMPDIR", ...)``), which a session started then would take.
+        env = session_env()
+        launch = runner or run_suite  # a test gives its own
         shared_cache = tmp_path_factory.mktemp("mutant-sessions-cache")
         caches: dict[str, str] = {}
 
@@ -109,11 +115,11 @@ class Kit:
                 cache = caches.setdefault(threading.current_thread().name,
                                           os.path.join(shared_cache, threading.current_thread().name))
                 if case is None:
-                    return run_suite(keras_tree, mutants.unmutated_tier(nproc), out, cache_dir=cache, nproc=nproc,
-                                     full=mutants.unmutated_needs_full(nproc))
+                    return launch(keras_tree, mutants.unmutated_tier(nproc), out, cache_dir=cache, nproc=nproc,
+                                  full=mutants.unmutated_needs_full(nproc), env=env)
                 build = mutants.write_mutant(keras_tree, str(out / case.mutant.name), case.mutant)
-                verdicts = run_suite(build, tier_of(case), out, case.rank_timeout, cache_dir=cache,
-                                     nproc=case.nproc, full=case.full)
+                verdicts = launch(build, tier_of(case), out, case.rank_timeout, cache_dir=cache,
+                                  nproc=case.nproc, full=case.full, env=env)
                 REPORTS[case.mutant.name] = out / "report.json"
                 return verdicts
 
@@ -134,16 +140,21 @@ def mutant_runs(mutant_kit):
     return mutant_kit.futures
 
 
+def session_env() -> dict[str, str]:
+    """This process's environment for an inner session: the outer session's options not passed on."""
+    return {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+
+
 def run_suite(keras_path: str, cells, out, rank_timeout: int = 300, cache_dir: str | None = None,
-              nproc: int = 2, full: bool = False) -> dict[str, str]:
+              nproc: int = 2, full: bool = False, env: dict[str, str] | None = None) -> dict[str, str]:
     """Run ``cells`` against the build at ``keras_path`` with ``nproc`` ranks (``--full``'s cells when
-    ``full``); return verdict per cell name."""
+    ``full``) in ``env`` (None: this process's, as ``session_env`` gives it); return verdict per cell name."""
     report = str(out / "report.json")
     cache = ["-o", f"cache_dir={cache_dir}"] if cache_dir else ["-p", "no:cacheprovider"]
     cmd = [sys.executable, "-m", "pytest", *cache, "-q", f"--keras-path={keras_path}", "--nproc", str(nproc),
            "--rank-timeout", str(rank_timeout), "--conformance-json", report, *(["--full"] if full else []), *cells]
-    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(cmd, cwd=ROOT, env=session_env() if env is None else env, capture_output=True, text=True,
+                          timeout=1800)
     assert os.path.exists(report), proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(report) as f:
         return {c["id"]: c["verdict"] or "skipped" for c in json.load(f)["cells"]}
@@ -281,3 +292,23 @@ def test_lanes_hold_new_sessions_while_a_test_measures_time():
     with lanes.slot(), lanes.slot():  # two at once, without waiting
         assert lanes.active == 2
     runner.shutdown()
+
+
+def test_a_kit_session_takes_the_environment_the_kit_started_in(monkeypatch, tmp_path_factory, tmp_path):
+    """Not the one a test beside it has set meanwhile: a test's TMPDIR once took a kit session's
+    private folders, and that test then found them left behind."""
+    seen = {}
+
+    def fake_run_suite(keras_path, cells, out, *args, env=None, **kwargs):
+        seen.update(env)
+        return {}
+
+    monkeypatch.delenv("KDC_TEST_BESIDE", raising=False)
+    kit = Kit([("unmutated-nproc2", None, 2)], str(tmp_path), tmp_path_factory, lambda case: [], runner=fake_run_suite)
+    try:
+        monkeypatch.setenv("KDC_TEST_BESIDE", "set by a test while the kit waits")
+        kit.lanes.widen(1)
+        assert kit.futures["unmutated-nproc2"].result(30) == {}
+    finally:
+        kit.close()
+    assert seen and "KDC_TEST_BESIDE" not in seen and "PYTEST_ADDOPTS" not in seen

@@ -22,6 +22,7 @@ from conformance import axes
 from conformance.judge import oracle
 from conformance.ranks import train as rank_train
 from tests import mutants
+from tests.test_mutants import session_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LINEAR = (("dense_b", None),)
@@ -201,7 +202,7 @@ def test_reference_on_a_release_catches_a_shared_maths_bug_and_falls_back(keras_
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--keras-path", build,
            "--reference-keras-path", release, "--conformance-json", str(report), "--junitxml", str(junit),
            *(f"conformance/test_fit.py::test_fit[{c}]" for c in CELLS)]
-    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    env = session_env()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert report.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "record_property" not in proc.stdout  # no junitxml warning for the cell's properties

@@ -21,6 +21,7 @@ from conformance.judge import RANK0_RAISE_WITHIN_S, judge_scenario
 from conformance.ranks import scenarios as rank_scenarios
 from conformance.test_scenarios import HANG_TIMEOUT
 from tests import mutants
+from tests.test_mutants import session_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARDED_KERNEL = {"dtensor": True, "placements": ["R", "S(1)"]}
@@ -97,7 +98,7 @@ def test_a_build_that_refuses_clearly_passes(keras_nightly_tree, tmp_path):
     build = mutants.write_mutant(keras_nightly_tree, str(tmp_path / "build"), REFUSES_IMPLICIT_GATHER)
     report = tmp_path / "report.json"
     cells = [f"conformance/test_scenarios.py::test_scenario[{s}]" for s in RANK0_SCENARIOS]
-    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    env = session_env()
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--keras-path", build,
                            "--rank-timeout", "60", "--conformance-json", str(report), *cells],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

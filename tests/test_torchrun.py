@@ -8,12 +8,14 @@ import sys
 
 import pytest
 
+from tests.test_mutants import session_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.slow
 def test_suite_runs_in_a_torchrun_group():
-    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    env = session_env()
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         "--local-ranks-filter", "0",
