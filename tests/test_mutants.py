@@ -135,7 +135,9 @@ class Kit:
 @pytest.fixture(scope="module")
 def mutant_runs(mutant_kit):
     """The kit's sessions (``Kit.futures``), two at a time from here on; each test waits for its
-    own verdicts and judges them."""
+    own verdicts and judges them. None selected (``-k every_promise`` alone): none."""
+    if mutant_kit is None:
+        return {}
     mutant_kit.lanes.widen(SIDE_BY_SIDE)
     return mutant_kit.futures
 
