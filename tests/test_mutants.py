@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 
 import pytest
 
@@ -40,17 +40,24 @@ BESIDE_OTHER_TESTS = 1
 
 class Lanes:
     """How many kit sessions may run at once: ``width``, and none while a test that measures time
-    holds ``quiet`` (it waits for the running ones to end first)."""
+    holds ``quiet`` (it waits for the running ones to end first). Sessions enter in their turns
+    (the order they were queued in): a lane that has just ended a session does not take the next
+    slot ahead of a session that has waited longer. ``close`` lets no waiting session in."""
 
     def __init__(self, width: int):
-        self.width, self.active, self.held = width, 0, 0
+        self.width, self.active, self.held, self.turn, self.closed = width, 0, 0, 0, False
         self.changed = threading.Condition()
 
     @contextlib.contextmanager
-    def slot(self):
+    def slot(self, turn: int):
         with self.changed:
-            self.changed.wait_for(lambda: self.held == 0 and self.active < self.width)
+            self.changed.wait_for(lambda: self.closed or (
+                turn == self.turn and self.held == 0 and self.active < self.width))
+            if self.closed:
+                raise CancelledError("the kit was closed before this session's turn")
+            self.turn += 1
             self.active += 1
+            self.changed.notify_all()
         try:
             yield
         finally:
@@ -74,6 +81,11 @@ class Lanes:
             with self.changed:
                 self.held -= 1
                 self.changed.notify_all()
+
+    def close(self) -> None:
+        with self.changed:
+            self.closed = True
+            self.changed.notify_all()
 
 
 def selected_sessions(items) -> list[tuple[str, mutants.Case | None, int]]:
@@ -109,8 +121,8 @@ class Kit:
         shared_cache = tmp_path_factory.mktemp("mutant-sessions-cache")
         caches: dict[str, str] = {}
 
-        def run(name: str, case: mutants.Case | None, nproc: int) -> dict[str, str]:
-            with self.lanes.slot():
+        def run(turn: int, name: str, case: mutants.Case | None, nproc: int) -> dict[str, str]:
+            with self.lanes.slot(turn):
                 out = tmp_path_factory.mktemp(name)
                 cache = caches.setdefault(threading.current_thread().name,
                                           os.path.join(shared_cache, threading.current_thread().name))
@@ -124,11 +136,15 @@ class Kit:
                 return verdicts
 
         self.pool = ThreadPoolExecutor(SIDE_BY_SIDE, thread_name_prefix="mutant-lane")
-        self.futures = {name: self.pool.submit(run, name, case, nproc) for name, case, nproc in selected}
+        self.futures = {name: self.pool.submit(run, turn, name, case, nproc)
+                        for turn, (name, case, nproc) in enumerate(selected)}
 
     def close(self) -> None:
+        """Start no other session (the lanes may still be shut: a run that ends before the kit's
+        tests); wait for the running ones."""
         for future in self.futures.values():
             future.cancel()
+        self.lanes.close()
         self.pool.shutdown(wait=True)
 
 
@@ -259,8 +275,8 @@ def test_lanes_hold_new_sessions_while_a_test_measures_time():
     lanes, events = Lanes(1), []
     first_in, release_first, quiet_in, release_quiet = (threading.Event() for _ in range(4))
 
-    def session(name: str, hold: threading.Event | None = None):
-        with lanes.slot():
+    def session(turn: int, name: str, hold: threading.Event | None = None):
+        with lanes.slot(turn):
             events.append(f"{name} starts")
             if hold is not None:
                 first_in.set()
@@ -274,9 +290,9 @@ def test_lanes_hold_new_sessions_while_a_test_measures_time():
             release_quiet.wait(10)
 
     runner = ThreadPoolExecutor(3)
-    first = runner.submit(session, "first", release_first)
+    first = runner.submit(session, 0, "first", release_first)
     assert first_in.wait(10)
-    second = runner.submit(session, "second")  # waits: one lane
+    second = runner.submit(session, 1, "second")  # waits: one lane
     measuring = runner.submit(measure)
     while lanes.held == 0:
         time.sleep(0.01)
@@ -291,9 +307,36 @@ def test_lanes_hold_new_sessions_while_a_test_measures_time():
     assert events[3:] == ["second starts", "second ends"]
     assert (lanes.active, lanes.held) == (0, 0)
     lanes.widen(2)
-    with lanes.slot(), lanes.slot():  # two at once, without waiting
+    with lanes.slot(2), lanes.slot(3):  # two at once, without waiting
         assert lanes.active == 2
     runner.shutdown()
+
+
+def test_lanes_let_sessions_in_in_their_turns_and_none_once_closed():
+    """The thread that ends a session and asks again does not go ahead of one that waited (it did:
+    the kit's longest session then waited out the other tests and ran last); a session still
+    waiting when the kit closes never starts."""
+    lanes, order = Lanes(1), []
+
+    def session(turn: int):
+        with lanes.slot(turn):
+            order.append(turn)
+
+    runner = ThreadPoolExecutor(3)
+    waiting = [runner.submit(session, turn) for turn in (2, 1)]  # asked before turn 0's
+    time.sleep(0.1)
+    assert order == []
+    session(0)  # in this thread, which then asks at once for a later turn
+    session(3)
+    assert [f.result(10) for f in waiting] == [None, None]
+    assert order == [0, 1, 2, 3]
+    shut = Lanes(0)
+    left_out = runner.submit(lambda: shut.slot(0).__enter__())
+    time.sleep(0.1)
+    shut.close()
+    with pytest.raises(CancelledError):
+        left_out.result(10)
+    runner.shutdown(wait=False)
 
 
 def test_a_kit_session_takes_the_environment_the_kit_started_in(monkeypatch, tmp_path_factory, tmp_path):
