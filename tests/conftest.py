@@ -144,13 +144,14 @@ def pytest_configure(config):
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items):
-    """The tests that measure time first, on a machine the kit does not load yet; the mutant kit's
-    tests last: its sessions run one at a time beside the other tests (``mutant_kit``), two at a
-    time from there on."""
+    """The mutant kit's tests after the others: its sessions run one at a time beside the other
+    tests (``mutant_kit``), two at a time from there on. The tests that measure time last, on a
+    machine nothing else loads: no kit session, and the work started at collection (``EARLY_WORK``:
+    a virtual environment's install, which unpacks gigabytes) long done."""
     def place(item) -> int:
         if item.get_closest_marker("measures_time") is not None:
-            return 0
-        return 2 if getattr(getattr(item, "module", None), "__name__", None) == "tests.test_mutants" else 1
+            return 2
+        return 1 if getattr(getattr(item, "module", None), "__name__", None) == "tests.test_mutants" else 0
 
     items.sort(key=place)
 
@@ -174,7 +175,8 @@ def mutant_kit(request, tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _quiet_for_timing(request, mutant_kit):
     """A test marked ``measures_time`` runs with no kit session beside it; the first test that does
-    not opens the kit's lane beside the other tests."""
+    not opens the kit's lane beside the other tests (a run of ``measures_time`` tests alone never
+    opens it)."""
     if mutant_kit is None:
         yield
     elif request.node.get_closest_marker("measures_time") is None:

@@ -103,8 +103,8 @@ def selected_sessions(items) -> list[tuple[str, mutants.Case | None, int]]:
 
 class Kit:
     """The selected kit sessions, queued at the session's start (``tests/conftest.mutant_kit``) in
-    ``Lanes``: none while the tests that measure time run (they come first), then one beside the
-    other self-tests, ``SIDE_BY_SIDE`` once the kit's own tests run (they come last), each with
+    ``Lanes``: one beside the other self-tests, ``SIDE_BY_SIDE`` once the kit's own tests run (they
+    come after the others), none while a test that measures time runs (those come last), each with
     ``runner`` (``run_suite``) in the environment the kit started in. ``futures``: session name ->
     its verdict per cell. Each lane has its own pytest cache folder (a cache is not written by two
     sessions at once), all of them in one place: what a lane's sessions share is the JAX
