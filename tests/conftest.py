@@ -174,19 +174,12 @@ def mutant_kit(request, tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def _quiet_for_timing(request, mutant_kit):
-    """A test marked ``measures_time`` runs with no kit session beside it; the first test that does
-    not opens the kit's lane beside the other tests (a run of ``measures_time`` tests alone never
-    opens it)."""
-    if mutant_kit is None:
+    """A test marked ``measures_time`` runs with no kit session beside it."""
+    if mutant_kit is None or request.node.get_closest_marker("measures_time") is None:
         yield
-    elif request.node.get_closest_marker("measures_time") is None:
-        from tests.test_mutants import BESIDE_OTHER_TESTS
-
-        mutant_kit.lanes.widen(BESIDE_OTHER_TESTS)
+        return
+    with mutant_kit.lanes.quiet():
         yield
-    else:
-        with mutant_kit.lanes.quiet():
-            yield
 
 
 def pytest_terminal_summary(terminalreporter):

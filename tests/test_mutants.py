@@ -113,7 +113,7 @@ class Kit:
     compiled."""
 
     def __init__(self, selected, keras_tree: str, tmp_path_factory, tier_of, runner=None):
-        self.lanes = Lanes(0)  # opened by the first test that does not measure time
+        self.lanes = Lanes(BESIDE_OTHER_TESTS)
         # The environment as the session started: a test beside a kit session may change the
         # process's own (``monkeypatch.setenv("TMPDIR", ...)``), which a session started then would take.
         env = session_env()
