@@ -9,11 +9,22 @@ import json
 import os
 import signal
 import subprocess
+import sys
+from multiprocessing.connection import Client
 
 import psutil
 import pytest
 from keras_dtensor_conformance.controller.launch import LaunchConfig
-from keras_dtensor_conformance.controller.zygote import ForkedProcess, Zygote, shadowed
+from keras_dtensor_conformance.controller.zygote import (
+    MOTHER,
+    MOTHER_KEY,
+    ZYGOTE_MODULE,
+    ForkedProcess,
+    Mother,
+    Zygote,
+    ended,
+    shadowed,
+)
 from keras_dtensor_conformance.rank.zygote import pythonpath_entries
 
 from tests import torch_cells
@@ -49,6 +60,16 @@ def test_a_forked_child_is_the_process_python_m_would_start(zygote, tmp_path):
     assert seen["threads"] == 2  # OMP_NUM_THREADS as the child has it, not the zygote's 1
     assert not seen["keras_imported"]  # the build under test is the child's to import
     assert open(err).read() == "to stderr\n"
+
+
+def test_a_forked_child_has_its_own_temporary_folder(zygote, tmp_path):
+    """Not the one the zygote's imports found first (``tempfile`` keeps it): a session's own TMPDIR
+    is where its processes' files go."""
+    (tmp_path / "tmp").mkdir()
+    proc, out, err = spawn(zygote, tmp_path, "describe", TMPDIR=str(tmp_path / "tmp"))
+    assert isinstance(proc, ForkedProcess), zygote.why_not
+    assert proc.wait(timeout=60) == 0, open(err).read()
+    assert json.loads(open(out).read())["tmp"] == str(tmp_path / "tmp")
 
 
 def test_forked_children_draw_their_own_random_numbers(zygote, tmp_path):
@@ -129,6 +150,72 @@ def test_a_child_whose_pythonpath_holds_a_module_the_zygote_imported_is_started_
     assert isinstance(proc, subprocess.Popen)
     assert proc.wait(timeout=120) == 0
     assert json.loads(open(out).read())["ppid"] == os.getpid()
+
+
+JAX_REFERENCE_ENV = {"JAX_PLATFORMS": "cpu", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                     "JAX_COMPILATION_CACHE_MAX_SIZE": "1024", "XLA_FLAGS": "--xla_force_host_platform_device_count=3"}
+
+
+def test_a_forked_child_has_the_jax_settings_a_fresh_import_would_read(zygote, tmp_path):
+    """JAX read its variables at the zygote's import; the JAX reference's own (its platform, its
+    compilation cache, its device count) are what a fresh process would have."""
+    env = dict(JAX_REFERENCE_ENV, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla"))
+    proc, out, err = spawn(zygote, tmp_path, "jax", **env)
+    assert isinstance(proc, ForkedProcess), zygote.why_not
+    assert proc.wait(timeout=60) == 0, open(err).read()
+    fresh = subprocess.run([sys.executable, "-m", CHILD, "jax"], env=dict(zygote.env, **env), capture_output=True,
+                           text=True, timeout=120)
+    assert fresh.returncode == 0, fresh.stderr
+    assert json.loads(open(out).read()) == json.loads(fresh.stdout)
+    assert json.loads(fresh.stdout) == {"devices": ["cpu"] * 3, "config": {
+        "jax_platforms": "cpu", "jax_compilation_cache_dir": str(tmp_path / "xla"),
+        "jax_persistent_cache_min_compile_time_secs": 0.0, "jax_compilation_cache_max_size": 1024}}
+
+
+def test_a_child_with_other_jax_settings_than_those_set_at_the_fork_is_started_afresh(zygote, tmp_path):
+    proc, _, _ = spawn(zygote, tmp_path, "describe", JAX_ENABLE_X64="1")
+    assert isinstance(proc, subprocess.Popen)
+    assert proc.wait(timeout=120) == 0
+
+
+def test_a_session_zygote_forked_by_a_mother_serves_its_session(tmp_path, monkeypatch):
+    """The mutant kit's sessions have their zygotes forked by one that imported everything once:
+    such a zygote forks its session's children as a fresh one does, and its exit code reaches the
+    session; a session with another interpreter start-up gets a fresh zygote."""
+    env = LaunchConfig(None, str(tmp_path / "home")).base_env()
+    mother = Mother(env, str(tmp_path / "m"))
+    mother.start()
+    try:
+        for name, value in mother.env().items():
+            monkeypatch.setenv(name, value)
+        zygote = Zygote(env, str(tmp_path / "z"))
+        zygote.start()
+        try:
+            proc, out, err = spawn(zygote, tmp_path, "describe")
+            assert isinstance(proc, ForkedProcess), zygote.why_not
+            assert proc.wait(timeout=60) == 0, open(err).read()
+            assert json.loads(open(out).read())["ppid"] == zygote.info["pid"]
+            assert psutil.Process(zygote.info["pid"]).ppid() == mother.zygote.info["pid"]
+        finally:
+            zygote.close()
+        assert zygote._proc.poll() == 0 and len(mother.served) == 1
+        other = Zygote(dict(env, PYTHONHASHSEED="7"), str(tmp_path / "z2"))
+        other.start()
+        try:
+            proc, _, _ = spawn(other, tmp_path, "describe")
+            assert isinstance(other._proc, subprocess.Popen) and isinstance(proc, ForkedProcess)
+            assert proc.wait(timeout=120) == 0
+        finally:
+            other.close()
+        assert len(mother.served) == 1
+        request = Client(mother.env()[MOTHER], family="AF_UNIX", authkey=bytes.fromhex(mother.env()[MOTHER_KEY]))
+        with request:
+            request.send((("/another/bin/python", sys.prefix), ZYGOTE_MODULE, [], env, os.devnull, os.devnull))
+            assert request.recv() == ("refused", "another interpreter than the mother's: ('/another/bin/python', "
+                                                 f"{sys.prefix!r})")
+    finally:
+        mother.close()
+    assert ended(mother.zygote.info["pid"])
 
 
 def test_shadowed_finds_packages_modules_and_extensions(tmp_path):

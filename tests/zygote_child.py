@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import time
 
 if __name__ == "__main__":
@@ -25,8 +26,16 @@ if __name__ == "__main__":
             "keras_imported": "keras" in sys.modules,
             "main": sys.modules["__main__"].__file__,
             "sys_path": sys.path,
+            "tmp": tempfile.gettempdir(),
         }))
         print("to stderr", file=sys.stderr)
+    elif mode == "jax":
+        import jax
+
+        names = ("jax_platforms", "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+                 "jax_compilation_cache_max_size")
+        print(json.dumps({"config": {name: getattr(jax.config, name) for name in names},
+                          "devices": [d.platform for d in jax.devices()]}))
     elif mode == "draw":
         import random
 
