@@ -88,16 +88,20 @@ def tagged_processes(tag: str) -> list[psutil.Process]:
 
 
 class InnerSession:
-    """A pytest session in a subprocess, in pytester's folder, its processes tagged."""
+    """A pytest session in a subprocess, in pytester's folder, its processes tagged. Its zygote is
+    forked by the self-tests' mother zygote (``tests/test_mutants.mother``) unless ``tagged``: then
+    every process of the session shows the tag in its environment, as ``leftovers`` needs (a forked
+    process shows its zygote's environment, and the mother's is no session's)."""
 
-    def __init__(self, pytester: pytest.Pytester):
+    def __init__(self, pytester: pytest.Pytester, tagged: bool = False):
         self.pytester = pytester
         self.tag = uuid.uuid4().hex
+        self.tagged = tagged
 
     def env(self) -> dict[str, str]:
-        env = dict(os.environ, **{TAG_VAR: self.tag})
-        env.pop("PYTEST_ADDOPTS", None)
-        return env
+        from tests.test_mutants import session_env
+
+        return dict(session_env(own_zygote=self.tagged), **{TAG_VAR: self.tag})
 
     def command(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args]
@@ -114,12 +118,15 @@ class InnerSession:
         )
 
     def leftovers(self) -> list[psutil.Process]:
+        if not self.tagged:
+            raise RuntimeError("a session whose leftover processes are checked is marked checks_leftovers: its "
+                               "zygote is then its own, whose children show the tag")
         return tagged_processes(self.tag)
 
 
 @pytest.fixture
-def inner(pytester: pytest.Pytester) -> InnerSession:
-    return InnerSession(pytester)
+def inner(pytester: pytest.Pytester, request) -> InnerSession:
+    return InnerSession(pytester, tagged=request.node.get_closest_marker("checks_leftovers") is not None)
 
 
 @pytest.fixture(scope="session")
@@ -138,6 +145,8 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    config.addinivalue_line("markers", "checks_leftovers: the test's inner session (``inner``) starts its own zygote, "
+                            "so that every process it leaves shows its tag")
     config.addinivalue_line("markers", "measures_time: no mutant-kit session runs beside this test (it times "
                                        "something, and the kit's sessions would load the machine)")
 
@@ -180,6 +189,12 @@ def _quiet_for_timing(request, mutant_kit):
         return
     with mutant_kit.lanes.quiet():
         yield
+
+
+def pytest_sessionfinish(session):
+    from tests.test_mutants import close_mother
+
+    close_mother()  # after the fixtures' teardown: the kit's sessions have ended
 
 
 def pytest_terminal_summary(terminalreporter):

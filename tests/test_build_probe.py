@@ -226,6 +226,7 @@ def test_without_a_requirement_every_keras_cell_is_skipped_once(inner, fork_with
     assert MEASURED_NO_LIB in summary[0]
 
 
+@pytest.mark.checks_leftovers
 def test_an_expectations_file_requires_distribution(inner, fork_without_lib):
     """Expectations describe a build that runs the cells: skipping them all must not go green."""
     inner.pytester.makepyfile(CELLS)

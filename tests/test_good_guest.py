@@ -55,6 +55,7 @@ def test_unrelated_project_never_probes_the_build(inner, broken_keras):
     assert "keras:" not in out and "ERROR" not in out
 
 
+@pytest.mark.checks_leftovers
 def test_a_conformance_item_probes_at_collection_one_error_line(inner, broken_keras):
     """Without options, a collected cell makes the session probe: a broken build is still one
     ``ERROR:`` line and exit code 4 (the UsageError raised during collection), and no rank starts."""

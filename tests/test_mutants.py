@@ -15,11 +15,14 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import CancelledError, ThreadPoolExecutor
 
 import pytest
+from keras_dtensor_conformance.controller.launch import LaunchConfig
+from keras_dtensor_conformance.controller.zygote import Mother
 
 from tests import mutants
 
@@ -118,6 +121,8 @@ class Kit:
         # process's own (``monkeypatch.setenv("TMPDIR", ...)``), which a session started then would take.
         env = session_env()
         launch = runner or run_suite  # a test gives its own
+        #: mutant name -> its build's folder.
+        self.builds: dict[str, str] = {}
         shared_cache = tmp_path_factory.mktemp("mutant-sessions-cache")
         caches: dict[str, str] = {}
 
@@ -129,7 +134,7 @@ class Kit:
                 if case is None:
                     return launch(keras_tree, mutants.unmutated_tier(nproc), out, cache_dir=cache, nproc=nproc,
                                   full=mutants.unmutated_needs_full(nproc), env=env)
-                build = mutants.write_mutant(keras_tree, str(out / case.mutant.name), case.mutant)
+                build = self.builds[name] = mutants.write_mutant(keras_tree, str(out / case.mutant.name), case.mutant)
                 verdicts = launch(build, tier_of(case), out, case.rank_timeout, cache_dir=cache,
                                   nproc=case.nproc, full=case.full, env=env)
                 REPORTS[case.mutant.name] = out / "report.json"
@@ -158,9 +163,38 @@ def mutant_runs(mutant_kit):
     return mutant_kit.futures
 
 
-def session_env() -> dict[str, str]:
-    """This process's environment for an inner session: the outer session's options not passed on."""
-    return {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+_mother: Mother | None = None
+_mother_lock = threading.Lock()
+
+
+def mother() -> Mother:
+    """The self-tests' mother zygote, started at first use and closed at the end of the session
+    (``tests/conftest``): each inner session started with ``session_env`` has its zygote forked
+    there, its imports done, instead of importing torch and the rest again. Not for a session
+    whose leftover processes are found by their environment (``tests/conftest.InnerSession``): a
+    forked zygote's shows the mother's."""
+    global _mother
+    with _mother_lock:
+        if _mother is None:
+            workdir = tempfile.mkdtemp(prefix="kdc-m-")
+            _mother = Mother(LaunchConfig(None, os.path.join(workdir, "keras-home")).base_env(), workdir)
+            _mother.start()
+        return _mother
+
+
+def close_mother() -> None:
+    global _mother
+    with _mother_lock:
+        if _mother is not None:
+            _mother.close()
+            _mother = None
+
+
+def session_env(own_zygote: bool = False) -> dict[str, str]:
+    """This process's environment for an inner session: the outer session's options not passed
+    on, and the mother zygote's address (``mother``) but for a session that starts its own."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    return env if own_zygote else dict(env, **mother().env())
 
 
 def run_suite(keras_path: str, cells, out, rank_timeout: int = 300, cache_dir: str | None = None,
@@ -234,6 +268,19 @@ def test_every_promise_and_every_check_is_broken_by_a_mutant(mutant_runs, reques
                     failed.setdefault(check, []).append(name)
     assert [p for p, names in broken.items() if not names] == [], "promises no mutant breaks"
     assert [c for c, names in failed.items() if not names] == [], "checks no mutant fails"
+
+
+def test_the_kit_sessions_zygotes_are_forked_by_the_mother(mutant_kit, mutant_runs):
+    """Each mutant's session had its zygote forked by the self-tests' (``mother``), imports done:
+    one refused (another interpreter start-up) or never asked would import everything again."""
+    names = {case.mutant.name for case in mutants.CASES} & set(mutant_runs)
+    if not names:
+        pytest.skip("no mutant's session selected")
+    for name in names:
+        mutant_runs[name].result()
+    served = {env.get("KDC_KERAS_PATH") for env in mother().served}
+    assert set(mutant_kit.builds) == names
+    assert [name for name, build in mutant_kit.builds.items() if build not in served] == []
 
 
 def mutation_score() -> str | None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 CELLS = """
 import os
 
@@ -49,6 +51,7 @@ def cells(inner, *args) -> dict[str, dict]:
     return {c["id"]: c for c in report["cells"]}, result.stdout
 
 
+@pytest.mark.checks_leftovers
 def test_a_crash_that_passes_on_rerun_is_intermittent(inner):
     found, out = cells(inner)
     once, always = found["test_dies_once"], found["test_dies_always"]

@@ -49,6 +49,7 @@ def only_error_line(result) -> str:
     return errors[0]
 
 
+@pytest.mark.checks_leftovers
 def test_nonexistent_keras_path_is_a_usage_error(inner, tmp_path):
     inner.pytester.makepyfile(CELLS)
     result = inner.run("--keras-path", str(tmp_path / "nowhere"))
@@ -128,6 +129,7 @@ def test_unsupported_build_counts_the_selected_cells_and_draws_no_grid(inner, ke
     (("--require-distribution",), "--require-distribution"),
     (("-o", "require_distribution=true"), "the ini option require_distribution"),
 ], ids=["option", "ini"])
+@pytest.mark.checks_leftovers
 def test_required_distribution_on_a_build_without_it_is_one_error(inner, keras_3151_tree, requirement, flag):
     """Asked to require it, a build without torch distribution fails instead of skipping to green."""
     inner.pytester.makepyfile(CELLS)
@@ -176,6 +178,7 @@ def test_two(dist_ranks):
     assert "1 passed, 1 skipped" in result.stdout
 
 
+@pytest.mark.checks_leftovers
 @pytest.mark.parametrize("body, code", [("pass", 0), ("assert False", 1)], ids=["normal-end", "failing-end"])
 def test_session_end_leaves_no_process(inner, body, code, tmp_path, monkeypatch):
     """Nor a folder of its own in the temporary directory (its ranks' private KERAS_HOME)."""
@@ -250,6 +253,7 @@ def ended(proc) -> str:
                              f"it printed:\n{out[-4000:]}") from None
 
 
+@pytest.mark.checks_leftovers
 def test_ctrl_c_leaves_no_process(inner):
     proc, ranks = start_a_hanging_session(inner)
     proc.send_signal(signal.SIGINT)
@@ -259,6 +263,7 @@ def test_ctrl_c_leaves_no_process(inner):
     wait_for(lambda: inner.leftovers() == [] and not any(alive(p) for p in ranks), 15, "no leftover process")
 
 
+@pytest.mark.checks_leftovers
 def test_a_cell_interrupted_by_ctrl_c_is_interrupted_not_skipped(inner):
     proc, ranks = start_a_hanging_session(inner, "--conformance-json", "r.json")
     proc.send_signal(signal.SIGINT)
@@ -269,6 +274,7 @@ def test_a_cell_interrupted_by_ctrl_c_is_interrupted_not_skipped(inner):
     assert "1 cells: 1 interrupted (1 interrupted)" in out
 
 
+@pytest.mark.checks_leftovers
 def test_sigterm_ends_the_session_as_ctrl_c_does(inner):
     """``timeout`` or a CI job's time limit sends SIGTERM: the running cell is interrupted, the
     reports are still written and no rank is left behind (by default SIGTERM would end pytest at
@@ -304,6 +310,7 @@ def test_the_session_gives_sigterm_back(pytester):
         signal.signal(signal.SIGTERM, outer)
 
 
+@pytest.mark.checks_leftovers
 def test_killed_controller_takes_its_ranks_along(inner):
     """pytest SIGKILLed (CI cancel, OOM): each rank sees its parent gone and exits."""
     proc, ranks = start_a_hanging_session(inner)
