@@ -46,7 +46,9 @@ def installed_keras_tree(dest: str) -> str:
     if spec is None or spec.origin is None:
         raise SystemExit("no Keras installed: pip install -c constraints-cpu.txt -e '.[default-build]'")
     package = os.path.dirname(spec.origin)
-    shutil.copytree(package, os.path.join(dest, "keras"), ignore=shutil.ignore_patterns("__pycache__"))
+    # With its bytecode (valid where it is: copy2 keeps the sources' times), or every process that
+    # imports a copy compiles all of Keras again where PYTHONDONTWRITEBYTECODE is set.
+    shutil.copytree(package, os.path.join(dest, "keras"))
     return dest
 
 

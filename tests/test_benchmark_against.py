@@ -17,6 +17,8 @@ import sys
 import pytest
 from keras_dtensor_conformance.bench import paired_rounds
 
+from tests.test_mutants import session_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -123,7 +125,7 @@ def test_the_short_version_flags_a_slowed_build_and_not_a_copy(tmp_path):
     out = tmp_path / "ab.json"
     cmd = [sys.executable, "scripts/benchmark_ab.py", "--sessions", "1", "--slowdown", "1.0", "--ratio-fail", "1.25",
            "--pairs", "8", "--check", "--out", str(out)]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(cmd, cwd=ROOT, env=session_env(), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "mutant flagged in 1 of 1 sessions; the same build in 0 of 1" in done.stdout
     report = json.loads(out.read_text())

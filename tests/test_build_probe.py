@@ -18,7 +18,7 @@ from keras_dtensor_conformance.controller.build import probe_build
 from keras_dtensor_conformance.controller.launch import LaunchConfig
 
 from tests.mutants import Mutant, Patch, write_mutant
-from tests.test_mutants import run_suite
+from tests.test_mutants import mother, run_suite
 
 USAGE_ERROR = 4
 
@@ -113,8 +113,9 @@ def fork_importing_inside(keras_nightly_tree, tmp_path_factory) -> str:
     return write_mutant(keras_nightly_tree, str(tmp_path_factory.mktemp("mutant") / "tree"), IMPORTS_INSIDE_FUNCTIONS)
 
 
-def probe(tree: str, tmp_path):
-    return probe_build(LaunchConfig(keras_path=tree, keras_home=str(tmp_path)))
+def probe(tree: str, tmp_path, **kwargs):
+    """As a session probes: forked from a zygote (the self-tests' mother's), its imports done."""
+    return probe_build(LaunchConfig(keras_path=tree, keras_home=str(tmp_path)), zygote=mother().zygote, **kwargs)
 
 
 def test_the_default_build_is_measured_fully_capable(keras_nightly_tree, tmp_path):
@@ -264,7 +265,7 @@ def test_a_probe_that_hangs_is_unknown_and_says_so(keras_nightly_tree, tmp_path)
     that did not return measured nothing of the build."""
     tree = write_mutant(keras_nightly_tree, str(tmp_path / "tree"),
                         _train_step_does("__import__('time').sleep(3600)", "train-step-waits"))
-    build = probe_build(LaunchConfig(keras_path=tree, keras_home=str(tmp_path)), timeout=120, group_probe_limit=5)
+    build = probe(tree, tmp_path, timeout=120, group_probe_limit=5)
     assert build.capabilities == {"torch_distribution_lib": True, "model_parallel": True, "data_parallel": False}
     assert build.capability_notes["data_parallel"] == f"probe hung: did not return within 5s ({DDP_PROBE})"
     assert build.header_lines(2, "gloo")[2].endswith(

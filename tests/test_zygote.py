@@ -32,8 +32,10 @@ from tests import torch_cells
 CHILD = "tests.zygote_child"
 
 
-@pytest.fixture
-def zygote(tmp_path):
+@pytest.fixture(scope="module")
+def zygote(tmp_path_factory):
+    """One for the module's tests: each forks what it needs from it, as a session's processes do."""
+    tmp_path = tmp_path_factory.mktemp("zygote")
     env = LaunchConfig(None, str(tmp_path / "home")).base_env()
     z = Zygote(dict(env, KDC_ZYGOTE_ONLY="zygote"), str(tmp_path / "z"))
     z.start()
