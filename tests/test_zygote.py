@@ -74,6 +74,15 @@ def test_a_forked_child_has_its_own_temporary_folder(zygote, tmp_path):
     assert json.loads(open(out).read())["tmp"] == str(tmp_path / "tmp")
 
 
+def test_a_forked_childs_collections_leave_the_zygotes_imports_alone(zygote, tmp_path):
+    """The zygote froze what its imports made (``gc.freeze``): a child's collection walks its own
+    objects, not torch's, and copies no page it shares with the zygote by touching one."""
+    proc, out, err = spawn(zygote, tmp_path, "describe")
+    assert isinstance(proc, ForkedProcess), zygote.why_not
+    assert proc.wait(timeout=60) == 0, open(err).read()
+    assert json.loads(open(out).read())["frozen"] > 100_000  # torch alone makes several hundred thousand
+
+
 def test_forked_children_draw_their_own_random_numbers(zygote, tmp_path):
     """As fresh processes do: NumPy's global generator and ``random`` are not the zygote's copy."""
     draws = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -27,6 +28,7 @@ if __name__ == "__main__":
             "main": sys.modules["__main__"].__file__,
             "sys_path": sys.path,
             "tmp": tempfile.gettempdir(),
+            "frozen": gc.get_freeze_count(),
         }))
         print("to stderr", file=sys.stderr)
     elif mode == "jax":
