@@ -80,7 +80,7 @@ def test_a_forked_childs_collections_leave_the_zygotes_imports_alone(zygote, tmp
     proc, out, err = spawn(zygote, tmp_path, "describe")
     assert isinstance(proc, ForkedProcess), zygote.why_not
     assert proc.wait(timeout=60) == 0, open(err).read()
-    assert json.loads(open(out).read())["frozen"] > 100_000  # torch alone makes several hundred thousand
+    assert json.loads(open(out).read())["frozen"] > 100_000  # about 400,000 here: torch, SciPy, JAX and the rest
 
 
 def test_forked_children_draw_their_own_random_numbers(zygote, tmp_path):
