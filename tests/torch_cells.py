@@ -178,10 +178,13 @@ def spawn_child_and_wait(seconds: float, token: str) -> int:
     return child.pid
 
 
-def build_2d_mesh() -> tuple[int, int]:
+def _fresh_training_mesh():
     """A (1, world) mesh, as every training cell makes: torch creates a subgroup per dimension."""
-    ctx = rank_context.current()
-    init_device_mesh("cpu", (1, ctx.world_size), mesh_dim_names=("batch", "model"))
+    return init_device_mesh("cpu", (1, rank_context.current().world_size), mesh_dim_names=("batch", "model"))
+
+
+def build_2d_mesh() -> tuple[int, int]:
+    _fresh_training_mesh()
     return threads_and_groups()
 
 
@@ -195,8 +198,7 @@ def group_of_every_rank() -> tuple[int, int]:
 def mesh_op_misses() -> int:
     """A fresh (1, world) mesh and one DTensor op on it: how many of the op's sharding propagations
     missed DTensor's cache (0: an earlier cell's entry served it)."""
-    ctx = rank_context.current()
-    mesh = init_device_mesh("cpu", (1, ctx.world_size), mesh_dim_names=("batch", "model"))
+    mesh = _fresh_training_mesh()
     x = distribute_tensor(torch.ones(4, 4), mesh, [Replicate(), Shard(0)])
     before = torch_internals.sharding_prop_cache_misses()
     x * 2
@@ -210,8 +212,7 @@ def threads_and_groups() -> tuple[int, int]:
 def mesh_op_then_collective() -> float:
     """A fresh (1, world) mesh, a DTensor op (sharding propagation caches its output spec), then a
     collective on the result: in a later call, a stale cached spec would point at a dead group."""
-    ctx = rank_context.current()
-    mesh = init_device_mesh("cpu", (1, ctx.world_size), mesh_dim_names=("batch", "model"))
+    mesh = _fresh_training_mesh()
     x = distribute_tensor(torch.ones(4, 4), mesh, [Replicate(), Shard(0)])
     y = x * 2
     # Replicate on mesh dim 0 broadcasts over that dim's group: a per-rank subgroup (size-1 dim).
