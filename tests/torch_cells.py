@@ -188,23 +188,6 @@ def build_2d_mesh() -> tuple[int, int]:
     return threads_and_groups()
 
 
-def group_of_every_rank() -> tuple[int, int]:
-    """A process group of every rank that is not WORLD (as a mesh dimension with a backend of its
-    own makes): a group in which two ranks' caches could point at different groups."""
-    dist.new_group(list(range(rank_context.current().world_size)))
-    return threads_and_groups()
-
-
-def mesh_op_misses() -> int:
-    """A fresh (1, world) mesh and one DTensor op on it: how many of the op's sharding propagations
-    missed DTensor's cache (0: an earlier cell's entry served it)."""
-    mesh = _fresh_training_mesh()
-    x = distribute_tensor(torch.ones(4, 4), mesh, [Replicate(), Shard(0)])
-    before = torch_internals.sharding_prop_cache_misses()
-    x * 2
-    return torch_internals.sharding_prop_cache_misses() - before
-
-
 def threads_and_groups() -> tuple[int, int]:
     return len(os.listdir(f"/proc/{os.getpid()}/task")), len(torch_internals.process_groups())
 
