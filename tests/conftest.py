@@ -112,9 +112,15 @@ class InnerSession:
         )
 
     def popen(self, *args: str) -> subprocess.Popen:
+        """The session started as a terminal starts a foreground job, for a test to signal it: with
+        SIGINT at its default, which Python turns into KeyboardInterrupt. A script's background job
+        (``.ci/run &``) runs with SIGINT ignored, which every child would inherit and keep (a Ctrl-C
+        test would then wait out its bound): a first interpreter restores it and becomes pytest."""
+        restore_sigint = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                          "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
         return subprocess.Popen(
-            self.command(*args), cwd=self.pytester.path, env=self.env(),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [sys.executable, "-c", restore_sigint, *self.command(*args)[1:]], cwd=self.pytester.path,
+            env=self.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
 
     def leftovers(self) -> list[psutil.Process]:
