@@ -83,6 +83,26 @@ def test_a_forked_childs_collections_leave_the_zygotes_imports_alone(zygote, tmp
     assert json.loads(open(out).read())["frozen"] > 100_000  # about 400,000 here: torch, SciPy, JAX and the rest
 
 
+def test_a_forked_child_has_inductors_probe_of_the_cpu_done_with_the_answer_it_would_find(zygote, tmp_path):
+    """The zygote ran inductor's probe of the CPU's vector instruction sets (``rank/zygote.warm``),
+    which a rank would otherwise run at its first compile: the child finds it done, with the answer a
+    fresh process finds (asked in one: the probe also sets inductor's cache folder in the environment)."""
+    proc, out, err = spawn(zygote, tmp_path, "vec-isa")
+    assert isinstance(proc, ForkedProcess), zygote.why_not
+    assert proc.wait(timeout=60) == 0, open(err).read()
+    fresh = subprocess.run([sys.executable, "-m", CHILD, "vec-isa"], capture_output=True, text=True, timeout=120)
+    assert fresh.returncode == 0, fresh.stderr
+    assert json.loads(fresh.stdout)["probed"] == 0
+    assert json.loads(open(out).read()) == {"probed": 1, "isa": json.loads(fresh.stdout)["isa"]}
+
+
+def test_a_child_with_another_compiler_is_started_afresh(zygote, tmp_path):
+    """Inductor read ``CXX`` at its import in the zygote, and probed the CPU with that compiler."""
+    proc, _, _ = spawn(zygote, tmp_path, "exit", "0", CXX="clang++")
+    assert isinstance(proc, subprocess.Popen)
+    assert proc.wait(timeout=120) == 0
+
+
 def test_forked_children_draw_their_own_random_numbers(zygote, tmp_path):
     """As fresh processes do: NumPy's global generator and ``random`` are not the zygote's copy."""
     draws = []

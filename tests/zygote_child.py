@@ -31,6 +31,11 @@ if __name__ == "__main__":
             "frozen": gc.get_freeze_count(),
         }))
         print("to stderr", file=sys.stderr)
+    elif mode == "vec-isa":
+        from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+        probed = valid_vec_isa_list.cache_info().currsize  # before this process asks
+        print(json.dumps({"probed": probed, "isa": [str(isa) for isa in valid_vec_isa_list()]}))
     elif mode == "jax":
         import jax
 
