@@ -156,8 +156,11 @@ def _name(name: str) -> str:
 def _dry_run(python: str, requirements, extra: list[str], timeout: float) -> str | None:
     with tempfile.TemporaryDirectory() as tmp:
         report = pathlib.Path(tmp) / "report.json"
+        # ``--target``: pip before 24 (23.2.1 is what ``python3 -m venv`` brings on Python 3.11) refuses
+        # ``--python-version`` without it; with ``--dry-run`` nothing is written there.
         command = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-                   "--only-binary=:all:", "--python-version", python, "--report", str(report), *extra]
+                   "--only-binary=:all:", "--python-version", python, "--target", str(pathlib.Path(tmp) / "target"),
+                   "--report", str(report), *extra]
         proc = subprocess.run(command + list(requirements), capture_output=True, text=True, timeout=timeout)
         if proc.returncode == 0:
             installs = {_name(i["metadata"]["name"]) for i in json.loads(report.read_text())["install"]}
