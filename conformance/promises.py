@@ -45,7 +45,8 @@ SHARDING_LAYOUTS = tuple(name for name, layout in axes.LAYOUTS.items() if layout
 #: Scenarios whose judge holds a kernel to its sharding (``judge.SCENARIO_JUDGES``); the others
 #: (``iterate-dtensor``, ``clear-session-undoes-distribution``) check values or state only.
 SHARDING_SCENARIOS = {"assign-partial", "uneven-sharding", "rank0-convert-to-numpy", "rank0-callback-get-weights",
-                      "rank0-checkpoint-save", "distribution-changed-between-fits", "integer-variable",
+                      "rank0-checkpoint-save", "distribution-changed-between-fits", "mesh-reshaped-between-fits",
+                      "integer-variable",
                       "mixed-float16", "mixed-bfloat16", "save-load-keras", "save-load-weights-h5"}
 #: Scenarios whose judge compares values (a read-back, a forward pass, saved weights, a dtype).
 NUMERIC_SCENARIOS = {"iterate-dtensor", "assign-partial", "uneven-sharding", "integer-variable", "mixed-float16",

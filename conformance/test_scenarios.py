@@ -25,6 +25,7 @@ SCENARIOS = {
     "rank0-callback-get-weights": (rank_scenarios.rank_zero_only, ("get-weights",), "rank-zero-only", HANG_TIMEOUT),
     "rank0-checkpoint-save": (rank_scenarios.rank_zero_only, ("save-weights",), "rank-zero-only", HANG_TIMEOUT),
     "distribution-changed-between-fits": (rank_scenarios.distribution_changed_between_fits, (), "changed"),
+    "mesh-reshaped-between-fits": (rank_scenarios.mesh_reshaped_between_fits, (), "reshaped"),
     "clear-session-undoes-distribution": (rank_scenarios.clear_session_undoes_distribution, (), "cleared"),
     "integer-variable": (rank_scenarios.integer_variable, (), "integer"),
     "mixed-float16": (rank_scenarios.mixed_precision, ("mixed_float16",), "precision"),

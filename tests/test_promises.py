@@ -188,7 +188,7 @@ def test_a_failure_checked_later_keeps_what_was_checked_before_it():
 
 def test_the_scenario_sets_follow_the_scenarios_judges():
     """A scenario is in the sharding (numbers) set exactly when its judge checks a kernel's sharding (values)."""
-    sharding_judges = {"partial", "uneven", "rank-zero-only", "changed", "integer", "precision", "saved"}
+    sharding_judges = {"partial", "uneven", "rank-zero-only", "changed", "reshaped", "integer", "precision", "saved"}
     numeric_judges = {"iterate", "partial", "uneven", "integer", "precision", "saved"}
     assert sharding_judges | numeric_judges <= set(SCENARIO_JUDGES)
     judge_of = {name: entry[2] for name, entry in test_scenarios.SCENARIOS.items()}

@@ -172,6 +172,11 @@ def _judge_changed(v, r):
     check(sharded(v["second"], ["R", "S(0)"]), SHARDING_LOST, f"second model (row layout): {v['second']}", r)
 
 
+def _judge_reshaped(v, r):
+    check(sharded(v["first"]), SHARDING_LOST, f"first model ((1, world) mesh): {v['first']}", r)
+    check(sharded(v["second"]), SHARDING_LOST, f"second model ((world, 1) mesh): {v['second']}", r)
+
+
 def _judge_cleared(v, r):
     check(v["distribution"] == "None", ERROR, f"distribution() after clear_session(): {v['distribution']}", r)
     check("KerasDTensorPromotionMode" not in v["modes"], ERROR, f"dispatch modes left: {v['modes']}", r)
@@ -202,6 +207,7 @@ SCENARIO_JUDGES = {
     "uneven": _judge_uneven,
     "rank-zero-only": _judge_rank_zero_only,
     "changed": _judge_changed,
+    "reshaped": _judge_reshaped,
     "cleared": _judge_cleared,
     "integer": _judge_integer,
     "precision": _judge_precision,

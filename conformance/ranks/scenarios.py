@@ -16,6 +16,7 @@ from conformance.ranks import train as rank_train
 
 COLSHARD = axes.LAYOUTS["colshard"]
 ROWSHARD = axes.LAYOUTS["rowshard"]
+BATCHSHARD = axes.LAYOUTS["batchshard"]
 
 
 def _fit_mlp(layout=COLSHARD, units: int = 16, epochs: int = 1, callbacks=()):
@@ -134,6 +135,15 @@ def distribution_changed_between_fits() -> dict:
     """fit under column sharding, then set another distribution and fit a new model under it."""
     first, _ = _fit_mlp(COLSHARD)
     second, _ = _fit_mlp(ROWSHARD)
+    return {"first": _kernel(first), "second": _kernel(second)}
+
+
+def mesh_reshaped_between_fits() -> dict:
+    """fit on a (1, world) mesh, then set a distribution on a (world, 1) mesh and fit a new model in
+    the same process: what a build keeps from its first distribution (a mesh, a patch made on it)
+    must not reach the second."""
+    first, _ = _fit_mlp(COLSHARD)
+    second, _ = _fit_mlp(BATCHSHARD)
     return {"first": _kernel(first), "second": _kernel(second)}
 
 
