@@ -1,0 +1,260 @@
+"""Every verdict is the one a fresh process gets (issue 39): one selection of cells run forward,
+reversed and under ``--isolation fresh`` gets the same verdicts, on the default build and on builds
+that keep state for their process's life (``mutants.STATE_KEEPING``), which are right in a fresh
+process. And ``rank/leftovers.py`` finds each kind of state it names."""
+
+from __future__ import annotations
+
+import collections
+import json
+import subprocess
+import sys
+import threading
+import types
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from keras_dtensor_conformance.rank import leftovers
+
+from tests import mutants
+from tests.test_mutants import ROOT, session_env
+
+_OPS = ("add", "subtract", "multiply", "divide", "minimum", "maximum", "power", "where", "matmul", "dot", "einsum",
+        "concatenate")
+#: 60 cells: ops eager and compiled, on a plain and a DTensor operand; fits on five layouts, arrays and a
+#: DataLoader, eager, nojit and jit, SGD (whose update multiplies by a plain learning rate) and Adam; the
+#: scenarios that change the distribution inside one cell; setup entry points.
+SELECTION = (
+    *(f"conformance/test_ops.py::test_op[{op}-tensor-shard1-{mode}]" for op in _OPS for mode in ("eager", "compiled")),
+    *(f"conformance/test_ops.py::test_op[{op}-dtensor-shard1-eager]" for op in _OPS),
+    "conformance/test_ops.py::test_op[relu-shard0-eager]", "conformance/test_ops.py::test_op[relu-shard0-compiled]",
+    *(f"conformance/test_fit.py::test_fit[{cell}]" for cell in (
+        "sgd-arrays-nojit-colshard", "adam-arrays-nojit-dataparallel", "sgd-arrays-nojit-rowshard",
+        "sgd-arrays-jit-dataparallel", "adam-arrays-nojit-colshard", "sgd-arrays-nojit-batchshard",
+        "sgd-dataloader-nojit-colshard", "sgd-arrays-nojit-dataparallel", "adam-arrays-jit-colshard",
+        "adam-arrays-nojit-batchshard", "sgd-dataloader-nojit-batchshard", "sgd-arrays-nojit-replicated",
+        "adam-arrays-nojit-rowshard", "sgd-dataloader-nojit-dataparallel", "sgd-arrays-eager-colshard",
+        "adam-dataloader-nojit-colshard")),
+    *(f"conformance/test_scenarios.py::test_scenario[{name}]" for name in (
+        "mesh-reshaped-between-fits", "distribution-changed-between-fits", "clear-session-undoes-distribution",
+        "iterate-dtensor")),
+    "conformance/test_setup.py::test_setup[device-mesh]", "conformance/test_setup.py::test_setup[model-parallel]",
+)
+#: Cells of the selection where a state-keeping build is wrong for a user who changes the distribution
+#: inside one process: a scenario that does so on purpose judges it, in every order and mode alike.
+REAL_BUGS = {
+    "promotion-mode-once": {"test_scenario[clear-session-undoes-distribution]": "error"},
+    "foreach-patched-on-first-use": {"test_scenario[mesh-reshaped-between-fits]": "error"},
+    "mesh-cache": {},
+}
+RUNS = ("forward", "reversed", "fresh")
+
+
+def test_the_selection_is_large_and_mixed():
+    assert len(SELECTION) >= 60 and len(set(SELECTION)) == len(SELECTION)
+    families = collections.Counter(cell.split("::")[0] for cell in SELECTION)
+    assert set(families) == {"conformance/test_ops.py", "conformance/test_fit.py", "conformance/test_scenarios.py",
+                             "conformance/test_setup.py"}
+
+
+def run_selection(keras_path: str, how: str, out) -> dict:
+    """The selection's verdicts and the report's isolation record, run ``how`` (``RUNS``)."""
+    report = out / f"{how}.json"
+    extra = {"forward": [], "reversed": ["-p", "tests.reverse_order"], "fresh": ["--isolation", "fresh"]}[how]
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--keras-path={keras_path}",
+           "--conformance-json", str(report), *extra, *SELECTION]
+    proc = subprocess.run(cmd, cwd=ROOT, env=session_env(), capture_output=True, text=True, timeout=1800,
+                          check=False)
+    assert report.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(report.read_text())
+    verdicts = {c["id"]: c["verdict"] or "skipped" for c in data["cells"]}
+    return {"verdicts": verdicts, "isolation": data["isolation"], "order": [c["id"] for c in data["cells"]]}
+
+
+BUILDS = ("default", *(m.name for m in mutants.STATE_KEEPING))
+#: A build's three runs take 2 to 7 minutes here (a state-keeping build's ranks are replaced before
+#: most cells, as in fresh mode): more than pytest.ini's outer guard of 900 s for one test.
+RUNS_TIMEOUT = 2400
+
+
+@pytest.fixture(scope="module")
+def selection_runs(keras_nightly_tree, tmp_path_factory):
+    """A build's three runs, made the first time a test asks for them, two sessions at a time (one
+    keeps about 1.4 of 2 cores busy)."""
+    base = tmp_path_factory.mktemp("fresh-verdicts")
+    done: dict[str, dict] = {}
+
+    def runs(build: str) -> dict:
+        if build not in done:
+            mutant = next((m for m in mutants.STATE_KEEPING if m.name == build), None)
+            tree = keras_nightly_tree if mutant is None else mutants.write_mutant(
+                keras_nightly_tree, str(base / build), mutant)
+            with ThreadPoolExecutor(2) as pool:
+                jobs = {}
+                for how in RUNS:
+                    out = base / f"{build}-{how}"
+                    out.mkdir()
+                    jobs[how] = pool.submit(run_selection, tree, how, out)
+                done[build] = {how: job.result() for how, job in jobs.items()}
+        return done[build]
+
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(RUNS_TIMEOUT)
+@pytest.mark.parametrize("build", BUILDS)
+def test_verdicts_are_the_same_in_every_order_and_on_fresh_ranks(build, selection_runs):
+    forward, backward, fresh = (selection_runs(build)[how] for how in RUNS)
+    assert backward["order"] == list(reversed(forward["order"]))  # the plugin did reverse the run
+    assert len(forward["verdicts"]) == len(SELECTION)
+    assert backward["verdicts"] == forward["verdicts"], f"{build}: reversed differs from forward"
+    assert fresh["verdicts"] == forward["verdicts"], f"{build}: --isolation fresh differs from forward"
+    # Fresh mode gave every cell fresh ranks.
+    assert fresh["isolation"]["mode"] == "fresh"
+    assert fresh["isolation"]["by cause"].get("--isolation fresh", 0) >= len(SELECTION) - 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(RUNS_TIMEOUT)
+@pytest.mark.parametrize("build", [m.name for m in mutants.STATE_KEEPING])
+def test_a_state_keeping_build_is_judged_as_in_a_fresh_process(build, selection_runs):
+    """Right in a fresh process: its verdicts are the default build's, but for the scenario that
+    changes the distribution inside one process on purpose; and its ranks were replaced for what
+    it kept (so the comparison could fail)."""
+    default, mutant = selection_runs("default")["forward"], selection_runs(build)["forward"]
+    differs = {c: v for c, v in mutant["verdicts"].items() if v != default["verdicts"][c]}
+    assert differs == REAL_BUGS[build]
+    kept = {cause for cause in mutant["isolation"]["by cause"] if cause in leftovers.CAUSES}
+    assert kept - {leftovers.KERAS_MODULES} == KEPT[build], mutant["isolation"]
+
+
+#: What each state-keeping build is found to keep (beside the modules a first fit imports).
+KEPT = {"promotion-mode-once": {leftovers.DISPATCH_MODE, leftovers.KERAS_STATE},
+        "foreach-patched-on-first-use": {leftovers.TORCH_PATCHED},
+        "mesh-cache": {leftovers.KERAS_STATE}}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(RUNS_TIMEOUT)
+def test_the_default_build_leaves_nothing_but_lazy_imports(selection_runs):
+    """On the default build ranks are replaced only to import a module a cell imported first."""
+    causes = selection_runs("default")["forward"]["isolation"]["by cause"]
+    assert set(causes) <= {"first start", leftovers.KERAS_MODULES}, causes
+
+
+# ---------------------------------------------------------------- the comparison, in this process
+@pytest.fixture
+def fake_build(monkeypatch):
+    """A module of a 'build' package (``kdc_fake_build``) with the kinds of state a build keeps."""
+    module = types.ModuleType("kdc_fake_build.core")
+    module.CACHE, module.FLAG, module.LOCAL = {}, None, threading.local()
+    module.LOCAL.policy = "float32"
+
+    class Variable:
+        def assign(self, value):
+            return value
+
+    Variable.__module__ = module.__name__
+    module.Variable = Variable
+    monkeypatch.setitem(sys.modules, "kdc_fake_build", types.ModuleType("kdc_fake_build"))
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    return module
+
+
+def _causes(baseline) -> set:
+    return set(baseline.changes())
+
+
+def test_a_rank_as_it_was_is_as_fresh(fake_build):
+    baseline = leftovers.Baseline("kdc_fake_build")
+    assert baseline.changes() == {}
+    fake_build.LOCAL = threading.local()  # rebound to an equivalent object, as clear_session() does
+    fake_build.LOCAL.policy = "float32"
+    assert baseline.changes() == {}
+
+
+@pytest.mark.parametrize("change, cause", [
+    (lambda m: m.CACHE.update(mesh=object()), leftovers.KERAS_STATE),
+    (lambda m: setattr(m, "FLAG", True), leftovers.KERAS_STATE),
+    (lambda m: setattr(m.LOCAL, "distribution", None), leftovers.KERAS_STATE),
+    (lambda m: setattr(m.Variable, "assign", lambda self, value: None), leftovers.KERAS_STATE),
+    (lambda m: sys.modules.__setitem__("kdc_fake_build.lazy", types.ModuleType("kdc_fake_build.lazy")),
+     leftovers.KERAS_MODULES),
+], ids=["cache-filled", "flag-set", "local-attribute", "class-patched", "module-imported"])
+def test_state_a_build_kept_is_found(fake_build, monkeypatch, change, cause):
+    baseline = leftovers.Baseline("kdc_fake_build")
+    monkeypatch.delitem(sys.modules, "kdc_fake_build.lazy", raising=False)
+    change(fake_build)
+    assert cause in _causes(baseline)
+
+
+def test_a_patched_torch_function_and_class_are_found(monkeypatch):
+    from torch.distributed.tensor import DTensor
+
+    baseline = leftovers.Baseline(None)
+    monkeypatch.setattr(torch, "_foreach_mul", lambda *a: None)
+    assert leftovers.TORCH_PATCHED in _causes(baseline)
+    monkeypatch.undo()
+    assert baseline.changes() == {}
+    monkeypatch.setattr(DTensor, "__sub__", lambda self, other: None, raising=False)  # shadows Tensor.__sub__
+    assert baseline.changes()[leftovers.TORCH_PATCHED] == ["torch.distributed.tensor.DTensor.__sub__"]
+
+
+def test_a_dispatch_mode_flags_and_threads_left_are_found():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    baseline = leftovers.Baseline(None)
+    mode = TorchDispatchMode()
+    mode.__enter__()
+    try:
+        assert leftovers.DISPATCH_MODE in _causes(baseline)
+    finally:
+        mode.__exit__(None, None, None)
+    with torch.no_grad():
+        assert leftovers.TORCH_FLAGS in _causes(baseline)
+    release = threading.Event()
+    thread = threading.Thread(target=release.wait, name="left-running")
+    thread.start()
+    try:
+        assert "left-running" in " ".join(baseline.changes()[leftovers.THREADS])
+    finally:
+        release.set()
+        thread.join()
+    assert baseline.changes() == {}
+
+
+# ---------------------------------------------------------------- reproducers, the second witness
+#: A failure only the suite's ranks show (they carry the harness's variables): a fresh process, as a
+#: reproducer runs, does not have it. The witness must say so rather than confirm the verdict.
+SUITE_ONLY_RELU = mutants.Patch(
+    mutants.TORCH + "ops/nn.py", "def relu(x):\n    x = convert_to_tensor(x)\n    return tnn.relu(x)\n",
+    "def relu(x):\n    x = convert_to_tensor(x)\n"
+    "    if 'KDC_CONTROL' in __import__('os').environ:  # mutant: only in the suite's ranks\n"
+    "        raise RuntimeError('relu refused in the harness')\n"
+    "    return tnn.relu(x)\n")
+
+
+@pytest.mark.slow
+def test_reproducers_run_in_fresh_processes_confirm_or_mark_each_cluster(keras_nightly_tree, tmp_path):
+    """On a state-keeping build, the compiled op's cluster (the build's own compile-fallback) is
+    reproduced by its script in fresh processes; a failure that needs the suite's ranks is marked as
+    not reproduced, in the JSON and under its cluster."""
+    once = next(m for m in mutants.STATE_KEEPING if m.name == "promotion-mode-once")
+    build = mutants.write_mutant(keras_nightly_tree, str(tmp_path / "build"), mutants.Mutant(
+        "promotion-mode-once-suite-only-relu", "both", (*once.patches, SUITE_ONLY_RELU)))
+    report, repro = tmp_path / "report.json", tmp_path / "repro"
+    cells = ["conformance/test_ops.py::test_op[add-tensor-shard1-compiled]",
+             "conformance/test_ops.py::test_op[relu-shard0-eager]"]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--keras-path={build}",
+                           "--conformance-json", str(report), "--conformance-repro", str(repro),
+                           "--conformance-repro-run", *cells], cwd=ROOT, env=session_env(), capture_output=True,
+                          text=True, timeout=1200, check=False)
+    data = json.loads(report.read_text())
+    assert {c["id"]: c["verdict"] for c in data["cells"]} == {
+        "test_op[add-tensor-shard1-compiled]": "compile-fallback", "test_op[relu-shard0-eager]": "error"}
+    fresh = {c["example"]: c.get("reproduced_fresh") for c in data["clusters"]}
+    assert fresh == {"test_op[add-tensor-shard1-compiled]": "reproduced",
+                     "test_op[relu-shard0-eager]": "did not reproduce"}, data["reproducers"]
+    assert "its reproducer, run in fresh processes: DID NOT REPRODUCE" in proc.stdout
