@@ -2,8 +2,9 @@
 
 A cell passes when the op runs on every rank, its value equals the same op on plain tensors, a
 tensor result is a DTensor with the placements DTensor's own propagation gives (from the same
-computation in plain torch), and, under torch.compile, dynamo compiled at least the graphs the same
-function compiles on plain tensors (none for an op with no tensor work, such as ``shape``).
+computation in plain torch), and, under torch.compile, dynamo compiled the graphs the same function
+compiles on plain tensors, no fewer and no more, with no graph break the plain run has not (none for
+an op with no tensor work, such as ``shape``).
 """
 
 from __future__ import annotations

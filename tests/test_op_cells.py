@@ -68,6 +68,8 @@ def test_a_compiled_tensor_op_still_falls_back_on_the_nightly(keras_ranks):
     """The control is not a loophole: add compiles a graph on plain tensors, none under the promotion mode."""
     value = keras_ranks.run(rank_ops.op_cell, "add", "tensor", "shard1", "compiled").values[0]
     assert value["control_graphs"] >= 1 and value["compiled_graphs"] == 0, value
+    # dynamo skips the frame under the mode: a skip, not a graph break (on either side)
+    assert value["graph_breaks"] == {} and value["control_graph_breaks"] == {}, value
     assert op_verdict(keras_ranks, "add", "tensor", "shard1", "compiled") == COMPILE_FALLBACK
 
 
@@ -111,6 +113,62 @@ def test_judge_holds_a_compiled_cell_to_its_control():
         judge_op("add", "compiled", _op_result(placements=["R"], expected_placements=[["R"]], control_graphs=1))
     judge_op("add", "compiled", _op_result(placements=["R"], expected_placements=[["R"]], compiled_graphs=1,
                                            control_graphs=1))
+
+
+#: A graph-break reason as ``ranks/ops._counted_since`` records it (dynamo's first line and explanation).
+USER_BREAK = "Call to `torch._dynamo.graph_break()` Explanation: User-inserted graph break. Message: None"
+
+
+def _break(count: int, *frames: str) -> dict:
+    return {USER_BREAK: {"count": count, "frames": list(frames)}}
+
+
+def _compiled_value(**evidence) -> dict:
+    """One rank's evidence of a compiled ``add`` cell whose value and placements hold."""
+    return {"match": True, "got": "", "expected": "", "placements": ["R"], "expected_placements": [["R"]],
+            "compiled_graphs": 1, "control_graphs": 1, **evidence}
+
+
+def _compiled_failure(**evidence) -> tuple[str, str] | None:
+    return op_checks.op_failure("add", "compiled", [_compiled_value(**evidence)] * 2)
+
+
+@pytest.mark.parametrize("evidence, says", [
+    # a graph break splits the function: more graphs than the control, the break and its frames named
+    ({"compiled_graphs": 2, "graph_breaks": _break(2, "add keras/src/backend/torch/numpy.py:120", "<lambda> ops.py:9")},
+     (f"graph break(s): {USER_BREAK} (2x, in add keras/src/backend/torch/numpy.py:120, <lambda> ops.py:9); "
+      "it compiled 2 graph(s) there, the same function 1 on plain tensors (no graph break)")),
+    # as many graphs as the control, but a break the control does not have
+    ({"compiled_graphs": 1, "graph_breaks": _break(1)}, f"{USER_BREAK} (1x, in frame not recorded)"),
+    # more graphs with no break recorded
+    ({"compiled_graphs": 3}, ("compiled 3 graph(s) on DTensors, more than the 1 the same function compiles on "
+                              "plain tensors (no graph break recorded)")),
+    # more graphs than a control that breaks too: the extra break is named
+    ({"compiled_graphs": 3, "control_graphs": 2, "graph_breaks": _break(2), "control_graph_breaks": _break(1)},
+     f"(breaks: {USER_BREAK} (1x, in frame not recorded))"),
+])
+def test_a_graph_break_on_dtensors_fails_the_compiled_cell_and_is_named(evidence, says):
+    """Issue 40, item 4: "compiles the whole step" is broken by a break, not only by fewer graphs."""
+    found = _compiled_failure(**evidence)
+    assert found is not None and found[0] == COMPILE_FALLBACK, found
+    assert found[1].startswith("rank 0: torch._dynamo ") and says in found[1], found[1]
+    outcomes = op_checks.op_outcomes("add", "compiled", [_compiled_value(**evidence)] * 2)[1]
+    assert outcomes[op_checks.OP_COMPILED] == ("failed", found[1]), outcomes
+
+
+def test_what_the_control_does_too_is_no_graph_break_failure():
+    """The same breaks and graphs as the plain control pass; so do a run with no break recorded and evidence
+    from before breaks were recorded (no ``graph_breaks``); a run with fewer graphs names its breaks too."""
+    assert _compiled_failure(compiled_graphs=2, control_graphs=2, graph_breaks=_break(1),
+                             control_graph_breaks=_break(1)) is None
+    assert _compiled_failure(graph_breaks={}, control_graph_breaks={}) is None
+    assert _compiled_failure() is None
+    found = _compiled_failure(compiled_graphs=0, graph_breaks=_break(1, "f x.py:1"))
+    assert found[0] == COMPILE_FALLBACK and "compiled 0 graph(s), fewer than the 1" in found[1], found
+    assert found[1].endswith(f"; graph break(s): {USER_BREAK} (1x, in f x.py:1)"), found[1]
+    # an eager cell is never held to the compile rule
+    eager = _compiled_value(compiled_graphs=2, control_graphs=0, graph_breaks=_break(1))
+    assert op_checks.op_failure("add", "eager", [eager] * 2) is None
 
 
 # ---------------------------------------------------------------- the placement rule

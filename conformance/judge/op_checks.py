@@ -85,21 +85,43 @@ def op_placements_kept(op: str, values: list[dict]) -> tuple[str, str] | None:
     return None
 
 
-def op_really_compiled(compile_mode: str, values: list[dict]) -> tuple[str, str] | None:
-    """A compiled cell compiles at least the graphs the same function compiles on plain tensors.
+def _breaks(breaks: dict) -> str:
+    """Graph breaks by reason (``{reason: {"count", "frames"}}``, ``ranks/ops._counted_since``) as a
+    message names them: each with its count and the frames that restarted at it."""
+    return "; ".join(f"{reason} ({info['count']}x, in {', '.join(info['frames']) or 'frame not recorded'})"
+                     for reason, info in breaks.items())
 
-    The control (``control_graphs``) is the same function compiled on plain tensors in the same
-    cell: an op with no tensor work (``shape``, ``is_tensor``) compiles no graph even there, and
-    so needs none on DTensors.
+
+def op_really_compiled(compile_mode: str, values: list[dict]) -> tuple[str, str] | None:
+    """A compiled cell compiles the whole function on DTensors, as it does on plain tensors.
+
+    The control (``control_graphs``, ``control_graph_breaks``) is the same function compiled on
+    plain tensors in the same cell: an op with no tensor work (``shape``, ``is_tensor``) compiles
+    no graph even there, and so needs none on DTensors. The DTensor run fails when dynamo compiled
+    fewer graphs than the control (code it ran eagerly), more graphs (a graph break splits the
+    function, with eager code between its graphs), or recorded any graph break
+    (``torch._dynamo.utils.counters["graph_break"]``, ``graph_breaks``) where the control records
+    none; the message names each break's reason, count and frames.
     """
     if compile_mode != "compiled":
         return None
     for rank, value in enumerate(values):
         got, control = value["compiled_graphs"], value["control_graphs"]
+        breaks, control_breaks = value.get("graph_breaks") or {}, value.get("control_graph_breaks") or {}
         if got < control:
             return COMPILE_FALLBACK, (f"rank {rank}: torch.compile ran the op on DTensors but torch._dynamo "
                                       f"compiled {got} graph(s), fewer than the {control} the same function "
-                                      "compiles on plain tensors")
+                                      "compiles on plain tensors"
+                                      + (f"; graph break(s): {_breaks(breaks)}" if breaks else ""))
+        if breaks and (got > control or not control_breaks):
+            plain = f"breaks: {_breaks(control_breaks)}" if control_breaks else "no graph break"
+            return COMPILE_FALLBACK, (f"rank {rank}: torch._dynamo broke the op's function on DTensors, graph "
+                                      f"break(s): {_breaks(breaks)}; it compiled {got} graph(s) there, the same "
+                                      f"function {control} on plain tensors ({plain})")
+        if got > control:
+            return COMPILE_FALLBACK, (f"rank {rank}: torch._dynamo compiled {got} graph(s) on DTensors, more than "
+                                      f"the {control} the same function compiles on plain tensors (no graph break "
+                                      "recorded)")
     return None
 
 

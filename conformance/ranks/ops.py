@@ -9,9 +9,10 @@ of the cell's kind. The rank gathers three kinds of evidence for the judge:
   same computation written in plain torch (each op's ``twin``), run on the same DTensor outside
   Keras' promotion mode, with plain operands replicated by DTensor's own rule
   (``implicit_replication``), so the expectation comes from torch, not from the build;
-- compilation: graphs dynamo compiled for the DTensor run against a control, the same function
-  compiled on plain tensors with no dispatch mode on the stack (a function with no tensor op,
-  such as ``shape``, compiles no graph even there, and so needs none on DTensors).
+- compilation: graphs dynamo compiled, and graph breaks it recorded by reason, for the DTensor
+  run against a control, the same function compiled on plain tensors with no dispatch mode on the
+  stack (a function with no tensor op, such as ``shape``, compiles no graph even there, and so
+  needs none on DTensors).
 """
 
 from __future__ import annotations
@@ -295,11 +296,12 @@ def op_cell(op: str, operand: str | None, placement: str, compile_mode: str) -> 
     call = _bind(fn, kind, operand)
 
     expected = _to_numpy(call(*plain_args))
-    control_graphs = _plain_control_graphs((op, operand), call, plain_args) if compile_mode == "compiled" else 0
-    graphs_before = _graphs()
+    control_graphs, control_breaks = (_plain_control_graphs((op, operand), call, plain_args)
+                                      if compile_mode == "compiled" else (0, {}))
+    before = _dynamo_counts()
     run = torch.compile(call, backend="aot_eager") if compile_mode == "compiled" else call
     got = run(*args)
-    compiled_graphs = _graphs() - graphs_before
+    compiled_graphs, graph_breaks = _counted_since(before)
     evidence = result_evidence(got, expected)
     # The twin runs only after the result was read: DTensor's propagation cache hands the twin's
     # result the same _MaskPartial placement object as the op's, whose mask buffer counts its
@@ -310,16 +312,20 @@ def op_cell(op: str, operand: str | None, placement: str, compile_mode: str) -> 
         "expected_placements": want,
         "compiled_graphs": compiled_graphs,
         "control_graphs": control_graphs,
+        "graph_breaks": graph_breaks,
+        "control_graph_breaks": control_breaks,
     }
 
 
-#: (op, operand) -> graphs of its plain control, measured once per rank process: the control's
-#: inputs do not depend on the cell's placement, and compiling it costs about a second.
-_CONTROL_GRAPHS: dict[tuple, int] = {}
+#: (op, operand) -> (graphs, graph breaks by reason) of its plain control, measured once per rank
+#: process: the control's inputs do not depend on the cell's placement, and compiling it costs
+#: about a second.
+_CONTROL_GRAPHS: dict[tuple, tuple[int, dict]] = {}
 
 
-def _plain_control_graphs(key: tuple, call, plain_args) -> int:
-    """Graphs dynamo compiles for ``call`` on plain tensors with no dispatch mode on the stack.
+def _plain_control_graphs(key: tuple, call, plain_args) -> tuple[int, dict]:
+    """Graphs dynamo compiles for ``call`` on plain tensors with no dispatch mode on the stack, and
+    the graph breaks it records there (``_counted_since``).
 
     The control a compiled DTensor run is held to: a function with no tensor op (``shape``,
     ``is_tensor``) compiles no graph even here. It runs with every mode popped (and put back),
@@ -332,21 +338,45 @@ def _plain_control_graphs(key: tuple, call, plain_args) -> int:
     from torch.utils._python_dispatch import _disable_current_modes
 
     if key not in _CONTROL_GRAPHS:
-        before = _graphs()
+        before = _dynamo_counts()
         with _disable_current_modes():
             torch.compile(call, backend="eager")(*plain_args)  # dynamo alone decides the graphs
-        _CONTROL_GRAPHS[key] = _graphs() - before
+        _CONTROL_GRAPHS[key] = _counted_since(before)
     return _CONTROL_GRAPHS[key]
 
 
-def _graphs() -> int:
+def _dynamo_counts() -> tuple:
+    """Dynamo's own counters so far: graphs compiled, graph breaks by reason, and its per-frame
+    compilation records (a bounded deque: ``_counted_since`` tells the new ones by identity)."""
     import sys
 
     if "torch._dynamo" not in sys.modules:
-        return 0
-    from torch._dynamo.utils import counters
+        return 0, {}, []
+    from torch._dynamo.utils import counters, get_compilation_metrics
 
-    return int(counters["stats"]["unique_graphs"])
+    return int(counters["stats"]["unique_graphs"]), dict(counters["graph_break"]), list(get_compilation_metrics())
+
+
+def _counted_since(before: tuple) -> tuple[int, dict]:
+    """Graphs compiled since ``before`` (``_dynamo_counts``), and the graph breaks recorded since, as
+    ``{reason: {"count": n, "frames": ["co_name file:line", ...]}}`` (the frames that restarted at the
+    break, as ``ranks/train._compiled_during`` records a fit's): a reason is dynamo's first line and
+    its ``Explanation:`` line (the whole text runs to ten lines)."""
+    graphs, breaks, records = _dynamo_counts()
+    seen = {id(record) for record in before[2]}
+    records = [r for r in records if id(r) not in seen]
+    new: dict[str, dict] = {}
+    for reason, count in breaks.items():
+        if count > before[1].get(reason, 0):
+            lines = [line.strip() for line in str(reason).splitlines() if line.strip()]
+            explanation = next((line for line in lines[1:] if line.startswith("Explanation:")), "")
+            head = " ".join([lines[0] if lines else "", explanation]).strip()
+            info = new.setdefault(head, {"count": 0, "frames": []})
+            info["count"] += count - before[1].get(reason, 0)
+            info["frames"] = list(dict.fromkeys(info["frames"] + [
+                f"{r.co_name} {(r.co_filename or '?').split('site-packages/')[-1]}:{r.co_firstlineno}"
+                for r in records if reason in (r.restart_reasons or ())]))
+    return graphs - before[0], new
 
 
 def _matches(got, expected) -> bool:
