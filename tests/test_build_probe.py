@@ -124,8 +124,8 @@ def test_the_default_build_is_measured_fully_capable(keras_nightly_tree, tmp_pat
     assert build.capability_notes == {
         "torch_distribution_lib": f"{MESH_CALL} is a torch DeviceMesh of shape (1,) over ('model',)",
         "model_parallel": "a sharded Dense kernel is a DTensor placed (Shard(dim=1),) on a mesh over ('model',)",
-        "data_parallel": "train_on_batch under DataParallel reduced 168 bytes in 3 collective(s) for 160 bytes of "
-                         "gradients (DistributedDataParallel.forward ran 1 time(s))",
+        "data_parallel": "train_on_batch under DataParallel over 2 processes reduced 168 bytes in 3 collective(s) "
+                         "on rank 0 for 160 bytes of gradients (DistributedDataParallel.forward ran 1 time(s))",
     }
     assert build.skip_reason is None
 
@@ -190,10 +190,35 @@ def test_data_parallel_is_measured_not_grepped(keras_nightly_tree, tmp_path):
     header = build.header_lines(2, "gloo")[2]
     assert header == (
         "keras torch-distribution capabilities: torch_distribution_lib=yes, model_parallel=yes, data_parallel=no "
-        "(train_on_batch under DataParallel reduced 8 bytes in 2 collective(s) for 160 bytes of gradients "
-        "(DistributedDataParallel.forward ran 0 time(s)))"
+        "(train_on_batch under DataParallel over 2 processes reduced 8 bytes in 2 collective(s) on rank 0 for 160 "
+        "bytes of gradients (DistributedDataParallel.forward ran 0 time(s)))"
     )
     assert build.skip_reason is None  # DataParallel cells run, and get their verdicts
+
+
+#: A correct DataParallel written to skip what a world of one process does not need: it wraps the
+#: model in DDP only where there is a peer to reduce with. In a one-process group its
+#: ``train_on_batch`` reduces no gradient (the probe measured there called it ``data_parallel=no
+#: (... reduced 8 bytes ...)``), while every DataParallel cell, run in the ranks' world, passes.
+DDP_ONLY_WITH_PEERS = Mutant(
+    "ddp-only-with-peers",
+    "a correct trainer that skips the gradient all-reduce in a world of one process (world_size == 1)",
+    (Patch("keras/src/backend/torch/trainer.py",
+           "        if torch.distributed.is_initialized() and self.ddp_model is None:\n",
+           "        if (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1\n"
+           "                and self.ddp_model is None):  # mutant: a world of one has nothing to reduce\n"),),
+)
+
+
+def test_data_parallel_is_measured_in_the_ranks_world(keras_nightly_tree, tmp_path):
+    """``data_parallel`` is measured where the behaviour shows, in a world of the session's nproc
+    processes: a build that all-reduces only when ``world_size > 1`` is a ``yes`` (its DataParallel
+    cells pass), while one that never reduces stays a ``no``
+    (``test_data_parallel_is_measured_not_grepped``)."""
+    build = probe(write_mutant(keras_nightly_tree, str(tmp_path / "tree"), DDP_ONLY_WITH_PEERS), tmp_path, nproc=3)
+    assert build.capabilities == FULL_SUPPORT
+    assert build.capability_notes["data_parallel"].startswith("train_on_batch under DataParallel over 3 processes ")
+    assert build.capability_notes["data_parallel"].endswith("(DistributedDataParallel.forward ran 1 time(s))")
 
 
 def test_data_parallel_is_judged_by_synchronised_gradients_not_by_ddp(keras_nightly_tree, tmp_path):
@@ -260,28 +285,29 @@ DDP_PROBE = "Train one batch under DataParallel and measure the bytes its collec
 
 
 def test_a_probe_that_hangs_is_unknown_and_says_so(keras_nightly_tree, tmp_path):
-    """A train step that waits (for a peer the one-process group does not have) gets an answer
+    """A train step that waits (rank 0 sleeps; its peer waits for it in the all-reduce) gets an answer
     within the probe's limit, not an import that times out after minutes: "unknown", since a probe
     that did not return measured nothing of the build."""
     tree = write_mutant(keras_nightly_tree, str(tmp_path / "tree"),
                         _train_step_does("__import__('time').sleep(3600)", "train-step-waits"))
     build = probe(tree, tmp_path, timeout=120, group_probe_limit=5)
     assert build.capabilities == {"torch_distribution_lib": True, "model_parallel": True, "data_parallel": False}
-    assert build.capability_notes["data_parallel"] == f"probe hung: did not return within 5s ({DDP_PROBE})"
-    assert build.header_lines(2, "gloo")[2].endswith(
-        f"data_parallel=unknown (probe hung: did not return within 5s ({DDP_PROBE}))")
+    # rank 0 sleeps, and rank 1 waits for it in the gradients' all-reduce
+    hung = f"probe hung: did not return within 5s ({DDP_PROBE}) on rank(s) 0, 1 of 2 processes"
+    assert build.capability_notes["data_parallel"] == hung
+    assert build.header_lines(2, "gloo")[2].endswith(f"data_parallel=unknown ({hung})")
     assert build.skip_reason is None  # the cells run, and the hang gets its own verdict there
 
 
 def test_a_probe_that_crashes_is_unknown_and_says_so(keras_nightly_tree, tmp_path):
-    """A rank-0-only ``recv`` in a one-process gloo group segfaults (measured): what the probe
-    printed before it started says which capability killed it."""
+    """A train step that kills its process (as a rank-0-only ``recv`` in a one-process gloo group
+    does, measured): the probe's world says which capability, and which of its processes, ended."""
     tree = write_mutant(keras_nightly_tree, str(tmp_path / "tree"), _train_step_does(
         "__import__('os').kill(__import__('os').getpid(), __import__('signal').SIGSEGV)", "train-step-segfaults"))
     build = probe(tree, tmp_path)
     assert build.capabilities == {"torch_distribution_lib": True, "model_parallel": True, "data_parallel": False}
     assert build.capability_notes["data_parallel"] == (
-        f"probe ended (killed by signal 11 (SIGSEGV)) while measuring it ({DDP_PROBE})"
+        f"probe ended (killed by signal 11 (SIGSEGV)) while measuring it ({DDP_PROBE}) on rank 0 of 2 processes"
     )
     assert build.capability_notes["model_parallel"] == (
         "a sharded Dense kernel is a DTensor placed (Shard(dim=1),) on a mesh over ('model',)")
