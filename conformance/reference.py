@@ -132,6 +132,8 @@ class JaxReference:
 
     evidence: dict | None
     note: str  #: the cell record's ``references["jax"]``: "judged: ..." or "not run: why"
+    #: Why the run raised, crashed or hung (its check is then "not judged", not "not applicable").
+    failure: str | None = None
 
 
 def jax_key(spec: dict, initial_weights: dict, nproc: int | None) -> str:
@@ -147,8 +149,8 @@ def jax_key(spec: dict, initial_weights: dict, nproc: int | None) -> str:
         digest.update(np.ascontiguousarray(initial_weights[path]).tobytes())
     data = spec["data"] if spec["data"] in ("sample-weights", "dict", "pydataset", "pydataset-workers") else "plain"
     layout = None if nproc is None else [spec["layout"], nproc]
-    return json.dumps([spec["model"], spec["optimizer"], data, layout, digest.hexdigest(), policy(spec)],
-                      sort_keys=True)
+    return json.dumps([spec["model"], spec["optimizer"], data, layout, digest.hexdigest(), policy(spec),
+                       spec.get("seed", 0)], sort_keys=True)
 
 
 #: The JAX reference's steps XLA-compiled. Measured here (one XLA thread, 2 virtual devices):
@@ -245,7 +247,10 @@ class JaxReferences:
         if not result.ok:
             error = next((o.error for o in result.outcomes if o.error is not None), None)
             why = f"{error.type.rpartition('.')[2]}: {error.message}" if error is not None else result.story()
-            return JaxReference(None, f"not run: this build's JAX backend could not run the cell ({why})")
+            note = f"not run: this build's JAX backend could not run the cell ({why})"
+            # The cell's models differ between backends: nothing to compare, not a failed reference.
+            comparable = error is not None and error.type.endswith("NotComparable")
+            return JaxReference(None, note, None if comparable else f"the JAX backend's run failed: {why}")
         evidence = result.values[0]
         how = ", XLA-compiled" if fit and JIT else ""
         return JaxReference(evidence, f"judged: keras' JAX backend (jax {evidence['jax_version']}, "

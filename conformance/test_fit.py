@@ -26,6 +26,8 @@ def test_fit(training_cell, keras_ranks, references_for, jax_references, record_
     if package and importlib.util.find_spec(package) is None:
         pytest.skip(f"data source {data} needs the {package} package, which is not installed")
     spec = axes.cell_spec(*training_cell)
+    if request.config.getoption("conformance_seed"):  # --conformance-seed: other initial weights and data
+        spec["seed"] = request.config.getoption("conformance_seed")
     # The cell as data: the report keeps it, a reproducer carries it. On the item, as the axes are
     # (the record-property fixture would warn under junitxml's default xunit2 family).
     request.node.user_properties.append(("spec", spec))
@@ -35,7 +37,8 @@ def test_fit(training_cell, keras_ranks, references_for, jax_references, record_
     record_communication(result, request)
     reference, jax = references_for(spec, result)
     try:
-        judge_fit(spec, result, reference, keras_ranks.nproc, jax.evidence, record=record_checks)
+        judge_fit(spec, result, reference, keras_ranks.nproc, jax.evidence, record=record_checks,
+                  jax_failure=jax.failure)
     except CellFailure:
         if jax.evidence is not None:  # what the cell's reproducer judges against
             request.node.user_properties.append(("jax_reference", plain(jax.evidence)))

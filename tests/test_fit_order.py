@@ -9,7 +9,7 @@ from __future__ import annotations
 import types
 
 import pytest
-from keras_dtensor_conformance import FAILED, HELD, JAX_BACKEND_DIFFERS, NOT_APPLICABLE, NOT_REACHED
+from keras_dtensor_conformance import FAILED, HELD, JAX_BACKEND_DIFFERS, NOT_APPLICABLE, NOT_JUDGED, NOT_REACHED
 from keras_dtensor_conformance.verdicts import COMPILE_FALLBACK, ERROR, NUMERICS, SHARDING_LOST, CellFailure
 
 from conformance import axes
@@ -23,9 +23,9 @@ CHECKS = {
     "step_communication": ("over-budget", "a full-size copy"),
     "reference_elsewhere": (ERROR, "reference on cpu, ranks on cuda"),
     "local_batch_statistics": "local batch statistics",
-    "global_batch_differs": (NUMERICS, "first step loss differs"),
     "numbers_differ": (NUMERICS, "loss differs"),
     "differs_from_jax": (NUMERICS, "weights differ from JAX"),
+    "jax_layouts_differ": (JAX_BACKEND_DIFFERS, "the JAX backend shards the bias"),
     "not_compiled": (COMPILE_FALLBACK, "graph break"),
 }
 LAYOUTS = (fit_checks.VARIABLE_LAYOUTS, fit_checks.SLOT_LAYOUTS)
@@ -48,11 +48,11 @@ def checks(monkeypatch):
         return found, {name: (FAILED, "lost") if found else (HELD, "") for name in LAYOUTS}
 
     for name in CHECKS:
-        monkeypatch.setattr(fit_checks, name, stub(name))
+        if name != "sharding_lost":  # one look at variables and slots: sharding_checks, below
+            monkeypatch.setattr(fit_checks, name, stub(name))
     monkeypatch.setattr(fit_checks, "sharding_checks", sharding)
     monkeypatch.setattr(fit_checks, "communication_scope", lambda *args: None)
     monkeypatch.setattr(fit_checks, "frozen_scope", lambda *args: None)
-    monkeypatch.setattr(fit_checks, "global_batch_scope", lambda *args: None)
     return state
 
 
@@ -71,7 +71,8 @@ def test_every_check_runs_in_order_when_all_pass(checks):
     found, outcomes = fit_checks.fit_checks(SPEC, [{}], 1, {}, oracle=_oracle(checks), jax={})
     assert found is None
     assert checks.called == ["frozen_changed", "sharding_lost", "step_communication", "reference_elsewhere", "local_batch_statistics",
-                             "global_batch_differs", "numbers_differ", "differs_from_jax", "oracle", "not_compiled"]
+                             "numbers_differ", "differs_from_jax", "jax_layouts_differ", "oracle",
+                             "not_compiled"]
     assert list(outcomes) == list(fit_checks.CHECKS)
     assert {outcome for outcome, _ in outcomes.values()} == {HELD}
 
@@ -83,8 +84,6 @@ def test_every_check_runs_in_order_when_all_pass(checks):
     ({"reference_elsewhere", "numbers_differ"}, CHECKS["reference_elsewhere"]),
     ({"local_batch_statistics", "numbers_differ"}, (fit_checks.NOT_COMPARABLE, "local batch statistics")),
     ({"numbers_differ", "not_compiled"}, CHECKS["numbers_differ"]),
-    ({"global_batch_differs", "numbers_differ"}, CHECKS["numbers_differ"]),
-    ({"global_batch_differs"}, CHECKS["global_batch_differs"]),
     ({"not_compiled"}, CHECKS["not_compiled"]),
 ])
 def test_the_first_failed_check_decides(checks, failing, found):
@@ -97,9 +96,9 @@ def test_after_the_first_failure_the_checks_are_not_reached(checks):
     outcomes = outcomes_of(SPEC, [{}], 1, {})
     assert outcomes[fit_checks.VARIABLE_LAYOUTS] == HELD and outcomes[fit_checks.STEP_COMMUNICATION] == FAILED
     assert {outcomes[name] for name in fit_checks.CHECKS[4:]} == {NOT_REACHED}
-    checks.failing = {"global_batch_differs", "numbers_differ"}  # one step: both judged, both failed
+    checks.failing = {"numbers_differ"}
     outcomes = outcomes_of(SPEC, [{}], 1, {})
-    assert outcomes[fit_checks.GLOBAL_BATCH] == outcomes[fit_checks.SINGLE_PROCESS_NUMBERS] == FAILED
+    assert outcomes[fit_checks.SINGLE_PROCESS_NUMBERS] == FAILED
     assert outcomes[fit_checks.JAX_NUMBERS] == outcomes[fit_checks.COMPILED] == NOT_REACHED
 
 
@@ -154,7 +153,7 @@ def test_the_oracle_runs_between_the_numbers_and_compilation(checks):
     checks.failing = {"not_compiled"}
     assert fit_checks.fit_failure(SPEC, [{}], 1, {}, oracle=_oracle(checks, (NUMERICS, "oracle"))) == \
         (NUMERICS, "oracle")
-    assert checks.called[-2:] == ["differs_from_jax", "oracle"]
+    assert checks.called[-3:] == ["differs_from_jax", "jax_layouts_differ", "oracle"]
 
 
 def test_a_failed_reference_comes_after_the_sharding(checks):
@@ -176,7 +175,8 @@ def test_the_judge_skips_what_is_not_comparable_and_blames_a_failed_reference_on
     assert failure.value.verdict == ERROR and failure.value.result is failed
     assert failure.value.detail == "the single-process reference failed:\nrank 0: it raised"
     assert recorded[0][fit_checks.VARIABLE_LAYOUTS][0] == HELD  # recorded before the verdict is raised
-    assert recorded[0][fit_checks.SINGLE_PROCESS_NUMBERS][0] == NOT_REACHED
+    assert recorded[0][fit_checks.SINGLE_PROCESS_NUMBERS] == (NOT_JUDGED, "the single-process reference failed: rank 0: it raised")
+    assert recorded[0][fit_checks.JAX_NUMBERS][0] == NOT_REACHED
 
 
 def test_a_frozen_kernel_must_end_as_it_began():

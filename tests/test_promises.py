@@ -186,14 +186,12 @@ def test_a_failure_checked_later_keeps_what_was_checked_before_it():
     assert states["op-fallback"]["ops-keep-placements"] == "kept"
 
 
-def test_the_scenario_sets_follow_the_scenarios_judges():
-    """A scenario is in the sharding (numbers) set exactly when its judge checks a kernel's sharding (values)."""
+def test_the_sharding_scenarios_follow_the_scenarios_judges():
+    """A scenario is in the sharding set exactly when its judge checks a kernel's sharding."""
     sharding_judges = {"partial", "uneven", "rank-zero-only", "changed", "reshaped", "integer", "precision", "saved"}
-    numeric_judges = {"iterate", "partial", "uneven", "integer", "precision", "saved"}
-    assert sharding_judges | numeric_judges <= set(SCENARIO_JUDGES)
+    assert sharding_judges <= set(SCENARIO_JUDGES)
     judge_of = {name: entry[2] for name, entry in test_scenarios.SCENARIOS.items()}
     assert suite.SHARDING_SCENARIOS == {n for n, j in judge_of.items() if j in sharding_judges}
-    assert suite.NUMERIC_SCENARIOS == {n for n, j in judge_of.items() if j in numeric_judges}
 
 
 def test_a_failure_in_the_input_code_breaks_per_process_input():
@@ -376,7 +374,7 @@ def test_keras_sharded_cells_test_keras_shards_input_and_hand_fed_cells_do_not()
     kept = record("pydataset-dataparallel", "pass", "passed", family=family, data="pydataset")
     refused = record("arrays-dataparallel", "data-not-sharded", "xfailed", "Keras refused to shard", family=family)
     crashed = record("pydataset-uneven-dataparallel", "crash", "failed", family=family, uneven=True)
-    hand_fed = record("adam-fit", "pass", "passed", family="fit dataparallel hand-fed")
+    hand_fed = record("adam-fit", "pass", "passed", family="fit dataparallel hand-fed", layout="dataparallel")
     report = report_of([kept, refused, crashed, hand_fed])
     states = {c["id"]: c["promises"] for c in report["cells"]}
     assert states["pydataset-dataparallel"]["keras-shards-input"] == "kept"
@@ -394,36 +392,80 @@ def with_checks(rec: CellRecord, **outcomes: str) -> CellRecord:
     return rec
 
 
+def measured(rec: CellRecord) -> CellRecord:
+    """``rec`` with a step's communication, as ``test_fit`` records it for a training cell that ran everywhere."""
+    rec.communication = {"measured": "one eager train step", "ranks": [], "full_size_copies": []}
+    return rec
+
+
 def test_a_promise_counts_a_cell_from_its_checks_outcomes():
     """Kept only where a check of the promise held; not applicable where none could fail, counted
     apart; a JAX difference breaks agreeing with JAX, not the single-process promise."""
-    dataparallel = with_checks(record("dp", "pass", "passed", layout="dataparallel"), variable_layouts="not applicable",
-                               slot_layouts="not applicable", step_communication="held", global_batch="held",
+    dataparallel = with_checks(measured(record("dp", "pass", "passed", layout="dataparallel")),
+                               variable_layouts="not applicable",
+                               slot_layouts="not applicable", step_communication="held",
                                single_process_numbers="held", jax_numbers="held", oracle_numbers="not applicable",
                                compiled="not applicable")
-    replicated = with_checks(record("rep", "pass", "passed", layout="replicated"), variable_layouts="not applicable",
-                             slot_layouts="not applicable", step_communication="not applicable",
-                             global_batch="not applicable", single_process_numbers="held")
-    schedulefree = with_checks(record("sf", "numerics", "xfailed", "torch differs from JAX ...",
-                                      optimizer="schedulefreeadamw"),
+    replicated = with_checks(measured(record("rep", "pass", "passed", layout="replicated")),
+                             variable_layouts="not applicable", slot_layouts="not applicable",
+                             step_communication="not applicable",
+                             single_process_numbers="held")
+    schedulefree = with_checks(measured(record("sf", "numerics", "xfailed", "torch differs from JAX ...",
+                                               optimizer="schedulefreeadamw")),
                                variable_layouts="held", slot_layouts="held", step_communication="held",
-                               global_batch="not applicable", single_process_numbers="held", jax_numbers="failed",
+                               single_process_numbers="held", jax_numbers="failed",
                                oracle_numbers="not applicable", compiled="not reached")
     report = report_of([dataparallel, replicated, schedulefree])
     states = {c["id"]: c["promises"] for c in report["cells"]}
     assert states["rep"]["communication-budget"] == "not applicable"
-    assert states["rep"]["sharded-variables"] == "not applicable"
+    assert "sharded-variables" not in states["rep"]  # a replicated layout is not one the promise tests
     assert states["dp"]["communication-budget"] == states["dp"]["per-process-input"] == "kept"
-    assert states["rep"]["per-process-input"] == "not applicable"
+    assert "per-process-input" not in states["rep"]  # one batch shard: not a cell of that promise
     assert states["sf"]["numbers-match-single-process"] == "kept"
     assert states["sf"]["agrees-with-jax-backend"] == "expected-broken"
-    assert states["sf"]["compile"] == "not judged"
+    assert "compile" not in states["sf"]  # a nojit cell: not one of compile's, whatever it recorded
     found = by_name(report)
     assert (found["communication-budget"]["kept"], found["communication-budget"]["not_applicable"]) == (2, 1)
     line = next(line for line in promises.lines(report["promises"], []) if " communication-budget " in line)
     assert "3 cells: kept on 2 where it could fail, not applicable on 1" in line
-    # every cell's compile check was not applicable or not reached: none kept it
-    assert found["compile"]["kept"] == 0 and found["compile"]["status"] == "not judged"
+    # every cell is nojit: none is compile's, though each recorded its compile check
+    assert found["compile"]["cells"] == 0 and found["compile"]["status"] == "not tested"
+
+
+def test_a_promise_counts_only_the_cells_it_tests():
+    """The judge records every check on every training cell, so a nojit cell records ``compiled``
+    (not applicable) and a cell whose step was not measured ``step-communication``: they are not
+    the cells of ``compile`` or ``communication-budget`` (``Promise.tests``), and are not counted
+    there as not applicable. A failure that breaks a promise counts under it wherever it is."""
+    later = {"frozen_unchanged": "not applicable", "single_process_numbers": "held", "jax_numbers": "held",
+             "oracle_numbers": "held"}
+    nojit = with_checks(measured(record("nojit", "pass", "passed")), variable_layouts="held", slot_layouts="held",
+                        step_communication="held", compiled="not applicable", **later)
+    jit = with_checks(measured(record("jit", "pass", "passed", compile="jit")), variable_layouts="held",
+                      slot_layouts="held", step_communication="not applicable", compiled="held", **later)
+    unmeasured = with_checks(record("unmeasured", "pass", "passed", compile="spe4"), variable_layouts="held",
+                             slot_layouts="held", step_communication="not applicable", compiled="not applicable",
+                             **later)
+    replicated = with_checks(measured(record("rep", "pass", "passed", layout="replicated")),
+                             variable_layouts="not applicable", slot_layouts="not applicable",
+                             step_communication="not applicable", compiled="not applicable", **later)
+    # a layout the promise does not test, whose check failed all the same (a variable the JAX backend laid out)
+    lost = with_checks(measured(record("dp-lost", "sharding-lost", "failed", VARIABLE_LOST, layout="dataparallel")),
+                       variable_layouts="failed", slot_layouts="held", **{name: "not reached" for name in (
+                           "step_communication", "single_process_numbers", "jax_numbers", "oracle_numbers",
+                           "compiled")}, frozen_unchanged="not applicable")
+    report = report_of([nojit, jit, unmeasured, replicated, lost])
+    states = {c["id"]: c["promises"] for c in report["cells"]}
+    found = by_name(report)
+    assert [cell for cell in states if "compile" in states[cell]] == ["jit"]
+    assert (found["compile"]["cells"], found["compile"]["kept"], found["compile"]["not_applicable"]) == (1, 1, 0)
+    assert "unmeasured" not in [cell for cell in states if "communication-budget" in states[cell]]
+    assert (found["communication-budget"]["kept"], found["communication-budget"]["not_applicable"]) == (1, 2)
+    assert "sharded-variables" not in states["rep"]
+    assert found["sharded-variables"]["not_applicable"] == 0
+    assert states["dp-lost"]["sharded-variables"] == "broken"
+    line = next(line for line in promises.lines(report["promises"], []) if " compile " in line)
+    assert "1 cells: kept on 1 where it could fail, not applicable on 0" in line
 
 
 def test_the_html_cell_detail_shows_each_checks_outcome(tmp_path):
@@ -465,7 +507,7 @@ def test_a_frozen_kernel_that_trained_breaks_frozen_stays_frozen_and_leaves_the_
     and the layouts and numbers it never reached are not judged, not kept. A LoRA cell that kept its
     frozen kernel and stopped at its layouts keeps frozen-stays-frozen and has not judged the numbers."""
     later = dict(variable_layouts="not reached", slot_layouts="not reached", step_communication="not reached",
-                 global_batch="not reached", single_process_numbers="not reached", jax_numbers="not reached",
+                 single_process_numbers="not reached", jax_numbers="not reached",
                  oracle_numbers="not reached", compiled="not reached")
     moved = with_checks(record("lora-adam-arrays-nojit-colshard", "numerics", "failed",
                                "rank 0: frozen mlp/dense_a/kernel changed in training", model="lora"),

@@ -105,13 +105,13 @@ def test_real_adafactor_slots_are_found_per_kernel(keras_ranks):
         by_kernel.setdefault(slot["reference"], []).append((slot["factor"], tuple(slot["shape"])))
     assert sorted(by_kernel["mlp/dense_a/kernel"], key=str) == [(0, (8,)), (1, (16,)), (None, (8, 16))]
     assert sorted(by_kernel["mlp/dense_b/kernel"], key=str) == [(0, (16,)), (1, (4,)), (None, (16, 4))]
-    assert fit_checks.sharding_lost(spec, result.values, keras_ranks.nproc) is None
+    assert fit_checks.sharding_checks(spec, result.values, keras_ranks.nproc)[0] is None
 
     short = copy.deepcopy(result)
     for value in short.values:
         value["slots"] = [s for s in value["slots"]
                           if not (s["reference"] == "mlp/dense_b/kernel" and s["factor"] == 1)]
-    verdict, message = fit_checks.sharding_lost(spec, short.values, keras_ranks.nproc)
+    verdict, message = fit_checks.sharding_checks(spec, short.values, keras_ranks.nproc)[0]
     assert verdict == SHARDING_LOST
     assert "expected 2 factored optimizer slots for mlp/dense_b/kernel, found 1" in message
 

@@ -18,6 +18,7 @@ from keras_dtensor_conformance import (
     HANG_CONSEQUENCES,
     HANG_VERDICT,
     NOT_APPLICABLE,
+    NOT_JUDGED,
     NUMERICS,
     SHARDING_LOST,
     CellFailure,
@@ -74,7 +75,17 @@ def numbers_match_oracle(spec: dict, values: list[dict], reference: dict) -> tup
     return (NUMERICS, "\n".join(problems)) if problems else None
 
 
-def judge_fit(spec: dict, result, reference, nproc: int, jax: dict | None = None, record=None) -> None:
+def oracle_outcome(spec: dict, values: list[dict], reference: dict) -> tuple[str, str] | None:
+    """``numbers_match_oracle``, or ``(NOT_JUDGED, why)`` where the oracle itself raised on the cell's
+    evidence (the report counts it; the cell's other checks still decide its verdict)."""
+    try:
+        return numbers_match_oracle(spec, values, reference)
+    except Exception as error:  # noqa: BLE001 - the oracle's own failure is an outcome, said with its reason
+        return NOT_JUDGED, f"the NumPy oracle raised {type(error).__name__}: {error}"
+
+
+def judge_fit(spec: dict, result, reference, nproc: int, jax: dict | None = None, record=None,
+              jax_failure: str | None = None) -> None:
     """A training cell: ran, kept its sharding, matched the reference (and the NumPy oracle in its
     core set, and ``jax``, the JAX reference's evidence, where one ran), and compiled if asked:
     ``fit_checks.fit_checks``' checks, in its order, each one's outcome handed to ``record`` (the
@@ -83,8 +94,10 @@ def judge_fit(spec: dict, result, reference, nproc: int, jax: dict | None = None
     ran_everywhere(result)
     values = result.values
     evidence = reference.values[0] if reference.ok else None
+    failure = None if reference.ok else "the single-process reference failed: " + reference.story().strip().splitlines()[0]
     found, outcomes = fit_checks.fit_checks(spec, values, nproc, evidence,
-                                            oracle=lambda: numbers_match_oracle(spec, values, evidence), jax=jax)
+                                            oracle=lambda: oracle_outcome(spec, values, evidence), jax=jax,
+                                            jax_failure=jax_failure, **({"reference_failure": failure} if failure else {}))
     if record is not None:
         record(outcomes)
     if found is None:

@@ -25,6 +25,7 @@ from keras_dtensor_conformance import (
     HELD,
     JAX_BACKEND_DIFFERS,
     NOT_APPLICABLE,
+    NOT_JUDGED,
     NOT_REACHED,
     NUMERICS,
     SHARDING_LOST,
@@ -33,14 +34,8 @@ from keras_dtensor_conformance import (
 from conformance.cell_data import policy
 from conformance.judge.communication import over_budget, sharded_variables
 from conformance.judge.compile_evidence import compile_problems
-from conformance.judge.jax_compare import (
-    BOTH_SHARE,
-    JAX_IS_WRONG,
-    expected_layouts,
-    numbers_differ_from_jax,
-    slot_counts,
-)
-from conformance.judge.numerics import TOLERANCES, numerics_problems, reported_problems
+from conformance.judge.jax_compare import BOTH_SHARE, JAX_IS_WRONG, layout_departures, numbers_differ_from_jax
+from conformance.judge.numerics import numerics_problems
 from conformance.judge.sharding import laid_out, sharding_problems
 from conformance.judge.slots import slot_problems
 
@@ -59,42 +54,58 @@ def sharding_checks(spec: dict, values: list[dict], nproc: int,
     ``sharding-lost`` verdict, and each of the two checks says whether it held, failed or could not
     fail (nothing laid out to hold to).
 
-    Every variable the layout shards, and every optimizer slot of it, is a DTensor as asked; and
+    Every variable the LayoutMap shards, and every optimizer slot of it, is a DTensor as asked; and
     every such variable has exactly the slots its optimizer keeps (``conformance.judge.slots``), so a
-    slot the rank side could not find is a failure, not an empty list that passes.
-
-    With ``jax`` (the JAX reference's evidence), what is asked is what the same build's JAX backend
-    made of the same LayoutMap: each variable's and slot's layout, and each sharded variable's slot
-    counts (``jax_compare``); without it, the layout map and the hand-written ``axes.SLOTS``."""
+    slot the rank side could not find is a failure, not an empty list that passes. The LayoutMap and
+    the optimizer's slots are the specification whatever the JAX backend does; where ``jax`` (the JAX
+    reference's evidence) departs from them too, the message says so (a bug of code both backends
+    share), and where only JAX departs, ``jax_layouts_differ`` names it."""
     variable_problems, slot_lines = [], []
     layout = spec["layout"]
-    want = expected_layouts(jax, layout, nproc) if jax is not None else None
-    counts = slot_counts(jax, layout, nproc) if jax is not None else None
-    source = " (as the JAX backend lays it out)" if jax is not None else ""
     for rank, value in enumerate(values):
         for stage, variables in value["stages"].items():
-            variable_problems += sharding_problems(layout, variables, nproc, f"rank {rank} after {stage}: ",
-                                                   rank=rank, want=want)
+            variable_problems += sharding_problems(layout, variables, nproc, f"rank {rank} after {stage}: ", rank=rank)
         full = [s for s in value["slots"] if s["factor"] is None]
-        slot_lines += sharding_problems(layout, full, nproc, f"rank {rank} optimizer slot ", rank=rank, want=want)
+        slot_lines += sharding_problems(layout, full, nproc, f"rank {rank} optimizer slot ", rank=rank)
         # A frozen variable (LoRA's kernel) is not trained, so its optimizer keeps no slots for it.
         trained = [v for v in value["stages"]["fit"] if v["path"] not in value.get("frozen", ())]
         missing = slot_problems(spec["optimizer_name"], layout, trained, value["slots"], nproc,
-                                f"rank {rank}: ", rank=rank, counts=counts)
+                                f"rank {rank}: ", rank=rank)
         if missing and value["unmatched_optimizer_variables"]:
             missing.append(f"rank {rank}: optimizer variables that match no model variable: "
                            + ", ".join(value["unmatched_optimizer_variables"]))
         slot_lines += missing
     first = values[0] if values else {"stages": {"fit": []}, "slots": []}
-    variables = laid_out(layout, first["stages"]["fit"], nproc, want)
-    slots = laid_out(layout, [s for s in first["slots"] if s["factor"] is None], nproc, want)
+    variables = laid_out(layout, first["stages"]["fit"], nproc)
+    slots = laid_out(layout, [s for s in first["slots"] if s["factor"] is None], nproc)
     outcomes = {
         VARIABLE_LAYOUTS: _outcome(variable_problems, variables, "the layout asks no variable for a layout"),
         SLOT_LAYOUTS: _outcome(slot_lines, slots, "no optimizer slot of a laid-out variable to hold to its layout"
                                if variables else "the layout asks no variable for a layout"),
     }
     problems = variable_problems + slot_lines
-    return ((SHARDING_LOST, "\n".join(p + source for p in problems)) if problems else None), outcomes
+    if not problems:
+        return None, outcomes
+    departures = _jax_departures(spec, values, nproc, jax)
+    also = ("\nthe JAX backend departs from the LayoutMap too (code both backends share?): " + "; ".join(departures)
+            if departures else "")
+    return (SHARDING_LOST, "\n".join(problems) + also), outcomes
+
+
+def _jax_departures(spec: dict, values: list[dict], nproc: int, jax: dict | None) -> list[str]:
+    if jax is None:
+        return []
+    frozen = set(values[0].get("frozen", ())) if values else set()
+    return layout_departures(jax, spec["layout"], nproc, spec["optimizer_name"], frozen)
+
+
+def jax_layouts_differ(spec: dict, values: list[dict], nproc: int, jax: dict | None) -> tuple[str, str] | None:
+    """The JAX backend lays out the cell's variables and slots as the LayoutMap and the optimizer ask
+    (``jax_compare.layout_departures``), which torch has just been held to: where it does not, the
+    JAX backend departs, ``jax-backend-differs`` naming it (torch's own layouts held)."""
+    departures = _jax_departures(spec, values, nproc, jax)
+    return (JAX_BACKEND_DIFFERS, "the JAX backend departs from the LayoutMap, which torch follows: "
+            + "\n".join(departures)) if departures else None
 
 
 def _outcome(problems: list[str], judged: list, why_not: str) -> tuple[str, str]:
@@ -103,11 +114,6 @@ def _outcome(problems: list[str], judged: list, why_not: str) -> tuple[str, str]
     if problems:
         return FAILED, problems[0]
     return (HELD, f"{len(judged)} judged") if judged else (NOT_APPLICABLE, why_not)
-
-
-def sharding_lost(spec: dict, values: list[dict], nproc: int, jax: dict | None = None) -> tuple[str, str] | None:
-    """``sharding_checks``' finding alone."""
-    return sharding_checks(spec, values, nproc, jax)[0]
 
 
 def frozen_changed(values: list[dict]) -> tuple[str, str] | None:
@@ -175,35 +181,11 @@ def local_batch_statistics(values: list[dict]) -> str | None:
             "batch's: numbers not comparable")
 
 
-def global_batch_scope(spec: dict, values: list[dict]) -> str | None:
-    """None when ``global_batch_differs`` can fail on this cell, else why it cannot."""
-    if len({v["batch_part"][0] for v in values}) < 2:
-        return "one batch shard: every process feeds the whole batch"
-    if spec["compile"] == "spe4":
-        return "steps_per_execution=4 reports its first loss after three updates"
-    if not all(v["step_losses"] for v in values):
-        return "no step loss reported"
-    return None
-
-
-def global_batch_differs(spec: dict, values: list[dict], reference: dict) -> tuple[str, str] | None:
-    """The first step's loss, which no update has touched yet, equals the single process's on every
-    rank: the processes' own parts made the global batch (a rank reporting its local loss is
-    accepted as ``numerics.reported_problems`` accepts it). Judged where there are several batch
-    shards (``global_batch_scope``); a wrong forward pass fails it too."""
-    if global_batch_scope(spec, values) is not None:
-        return None
-    firsts = [{"first step loss": v["step_losses"][:1], "batch_part": v["batch_part"]} for v in values]
-    problems = reported_problems("first step loss", firsts, reference["step_losses"][:1], TOLERANCES[policy(spec)])
-    return (NUMERICS, "the processes' input did not make the single process's global batch (the first step's "
-            "loss, before any update, differs): " + "\n".join(problems)) if problems else None
-
-
 def numbers_differ(spec: dict, values: list[dict], reference: dict) -> tuple[str, str] | None:
     """Losses, evaluate, predict and final weights against the single-process reference's, and the
     ranks against each other (``conformance.judge.numerics``), within the tolerance of the cell's
     dtype policy."""
-    problems = numerics_problems(values, reference, TOLERANCES[policy(spec)])
+    problems = numerics_problems(values, reference, policy=policy(spec))
     # The verdict's kind and the first problem on the first line: the headline, and what clusters it.
     return (NUMERICS, "distributed torch differs from single-process torch (a distribution bug): "
             + "\n".join(problems)) if problems else None
@@ -215,13 +197,13 @@ def differs_from_jax(spec: dict, values: list[dict], jax: dict | None) -> tuple[
     ``arbitrate`` to say."""
     if jax is None:
         return None
-    problems = numbers_differ_from_jax(spec["optimizer_name"], values, jax, policy(spec))
+    problems = numbers_differ_from_jax(values, jax, policy(spec))
     return (NUMERICS, "\n".join(problems)) if problems else None
 
 
 def arbitrate(jax_found: tuple[str, str], oracle_found: tuple[str, str] | None) -> tuple[str, str]:
     """The verdict of a cell whose torch runs agree with each other and not with JAX, from the
-    NumPy oracle's outcome (None: it held; ``(NOT_APPLICABLE, why)``; else its failure).
+    NumPy oracle's outcome (None: it held; ``(NOT_APPLICABLE, why)`` or ``(NOT_JUDGED, why)``; else its failure).
 
     The oracle siding with torch clears the torch backend: ``jax-backend-differs``, naming the JAX
     backend. Siding with neither, or against torch, is the torch backend's bug both torch runs
@@ -229,7 +211,7 @@ def arbitrate(jax_found: tuple[str, str], oracle_found: tuple[str, str] | None) 
     differences = jax_found[1]
     if oracle_found is None:
         return JAX_BACKEND_DIFFERS, (f"{JAX_IS_WRONG}: {differences}")
-    if oracle_found[0] == NOT_APPLICABLE:
+    if oracle_found[0] in (NOT_APPLICABLE, NOT_JUDGED):
         return NUMERICS, f"{BOTH_SHARE}; no NumPy oracle says which backend is right ({oracle_found[1]}): {differences}"
     return NUMERICS, f"{BOTH_SHARE}, and the NumPy oracle disagrees with torch too: a torch-backend bug: {differences}"
 
@@ -261,13 +243,13 @@ VARIABLE_LAYOUTS = "variable-layouts"
 SLOT_LAYOUTS = "slot-layouts"
 FROZEN_UNCHANGED = "frozen-unchanged"
 STEP_COMMUNICATION = "step-communication"
-GLOBAL_BATCH = "global-batch"
 SINGLE_PROCESS_NUMBERS = "single-process-numbers"
 JAX_NUMBERS = "jax-numbers"
+JAX_LAYOUTS = "jax-layouts"
 ORACLE_NUMBERS = "oracle-numbers"
 COMPILED = "compiled"
-CHECKS = (FROZEN_UNCHANGED, VARIABLE_LAYOUTS, SLOT_LAYOUTS, STEP_COMMUNICATION, GLOBAL_BATCH, SINGLE_PROCESS_NUMBERS,
-          JAX_NUMBERS, ORACLE_NUMBERS, COMPILED)
+CHECKS = (FROZEN_UNCHANGED, VARIABLE_LAYOUTS, SLOT_LAYOUTS, STEP_COMMUNICATION, SINGLE_PROCESS_NUMBERS,
+          JAX_NUMBERS, JAX_LAYOUTS, ORACLE_NUMBERS, COMPILED)
 
 #: The oracle a reproducer has: none (the suite's judge passes its own).
 NO_ORACLE = (NOT_APPLICABLE, "the NumPy oracle is not run here")
@@ -275,30 +257,37 @@ NO_ORACLE = (NOT_APPLICABLE, "the NumPy oracle is not run here")
 
 def fit_checks(spec: dict, values: list[dict], nproc: int, reference: dict | None,
                oracle: Callable[[], tuple[str, str] | None] | None = None,
-               jax: dict | None = None) -> tuple[tuple[str, str] | None, dict[str, tuple[str, str]]]:
+               jax: dict | None = None, jax_failure: str | None = None,
+               reference_failure: str = "the single-process reference failed",
+               ) -> tuple[tuple[str, str] | None, dict[str, tuple[str, str]]]:
     """(what the cell found, as ``fit_failure`` says it; each check's ``(outcome, why)``, in ``CHECKS``' order).
 
     The order: frozen variables left as they were (``frozen_changed``: a frozen kernel that trained
     is the cause of what follows, its optimizer slots among them); the sharding (which needs no
     reference, so a cell that lost it says so whatever became of the reference); the communication
-    of a step (``communication.over_budget``: no
-    full-size copy of a variable the sharding check has just held to its layout); the reference
-    itself (that it ran, ``reference`` None being ``NO_REFERENCE``, and on the ranks' device);
-    whether its numbers are comparable (else ``(NOT_COMPARABLE, why)``); the global batch and the
-    numbers against single-process torch (a distribution bug); then against ``jax``, the same
-    build's JAX backend, when one ran, with ``oracle`` (the suite's NumPy oracle: None when it
-    holds, ``(NOT_APPLICABLE, why)`` outside its scope, else its failure) to arbitrate a
-    difference (``arbitrate``); and compilation last, since a step that computes the wrong numbers
-    or loses its sharding is that failure whether or not it compiled. A check after the first
-    failure is not reached; a check that cannot fail on the cell is not applicable, with why.
+    of a step (``communication.over_budget``: no full-size copy of a variable the sharding check has
+    just held to its layout); the reference itself (that it ran, ``reference`` None being
+    ``NO_REFERENCE``, and on the ranks' device); whether its numbers are comparable (else
+    ``(NOT_COMPARABLE, why)``); the numbers against single-process torch (a distribution bug: with
+    several batch shards, a process's input that does not make the global batch fails here too);
+    then against ``jax``, the same build's JAX backend, when one ran (its numbers, and its layouts
+    against the LayoutMap: ``jax_layouts_differ``), with ``oracle`` (the suite's
+    NumPy oracle: None when it holds, ``(NOT_APPLICABLE, why)`` outside its scope, ``(NOT_JUDGED,
+    why)`` when it could not run, else its failure) to arbitrate a difference (``arbitrate``); and
+    compilation last, since a step that computes the wrong numbers or loses its sharding is that
+    failure whether or not it compiled. A check after the first failure is not reached; a check that
+    cannot fail on the cell is not applicable, with why; a check whose reference failed
+    (``reference`` None: ``reference_failure``; ``jax_failure``: why the JAX run raised, crashed or
+    hung) is not judged, with why.
     """
     outcomes: dict[str, tuple[str, str]] = {}
 
-    def finish(found, reached: int, why: str | None = None):
+    def finish(found, last: str, why: str | None = None):
+        """The checks after ``last`` (a name of ``CHECKS``) were not reached."""
         failed = [name for name in CHECKS if outcomes.get(name, ("",))[0] == FAILED]
-        why = why or (("the cell stopped" if not found else f"{failed[0]} failed" if failed
-                       else "an earlier check failed"))
-        for name in CHECKS[reached:]:
+        why = why or ("the cell stopped" if not found else f"{failed[0]} failed" if failed
+                      else "an earlier check failed")
+        for name in CHECKS[CHECKS.index(last) + 1:]:
             outcomes.setdefault(name, (NOT_REACHED, why))
         return found, {name: outcomes[name] for name in CHECKS}
 
@@ -309,41 +298,49 @@ def fit_checks(spec: dict, values: list[dict], nproc: int, reference: dict | Non
 
     found = record(FROZEN_UNCHANGED, frozen_changed(values), frozen_scope(values))
     if found is not None:
-        return finish(found, 1)
+        return finish(found, FROZEN_UNCHANGED)
     found, layouts = sharding_checks(spec, values, nproc, jax)
     outcomes.update(layouts)
     if found is not None:
-        return finish(found, 3)
+        return finish(found, SLOT_LAYOUTS)
     found = record(STEP_COMMUNICATION, step_communication(spec, values, nproc), communication_scope(spec, values))
     if found is not None:
-        return finish(found, 4)
+        return finish(found, STEP_COMMUNICATION)
     if reference is None:
-        return finish((NO_REFERENCE, "the single-process reference failed"), 4,
-                      "the single-process reference failed")
+        outcomes[SINGLE_PROCESS_NUMBERS] = (NOT_JUDGED, reference_failure)
+        return finish((NO_REFERENCE, reference_failure), SINGLE_PROCESS_NUMBERS, reference_failure)
     why = reference_elsewhere(values, reference)
     if why is None:
         local = local_batch_statistics(values)
         why = (NOT_COMPARABLE, local) if local else None
     if why is not None:
-        return finish(why, 4, f"the numbers cannot be compared with the single process's: {why[1].splitlines()[0]}")
-    batch = record(GLOBAL_BATCH, global_batch_differs(spec, values, reference), global_batch_scope(spec, values))
-    found = record(SINGLE_PROCESS_NUMBERS, numbers_differ(spec, values, reference)) or batch
+        return finish(why, STEP_COMMUNICATION,
+                      f"the numbers cannot be compared with the single process's: {why[1].splitlines()[0]}")
+    found = record(SINGLE_PROCESS_NUMBERS, numbers_differ(spec, values, reference))
     if found is not None:
-        return finish(found, 6)
+        return finish(found, SINGLE_PROCESS_NUMBERS)
     jax_found = record(JAX_NUMBERS, differs_from_jax(spec, values, jax),
                        None if jax is not None else "the JAX backend did not run")
+    layouts_found = record(JAX_LAYOUTS, jax_layouts_differ(spec, values, nproc, jax),
+                           None if jax is not None else "the JAX backend did not run")
+    if jax is None and jax_failure:
+        outcomes[JAX_NUMBERS] = outcomes[JAX_LAYOUTS] = (NOT_JUDGED, jax_failure)
     oracle_found = oracle() if oracle is not None else NO_ORACLE
-    oracle_applicable = oracle_found is None or oracle_found[0] != NOT_APPLICABLE
-    record(ORACLE_NUMBERS, oracle_found if oracle_applicable else None,
-           None if oracle_applicable else oracle_found[1])
+    if oracle_found is not None and oracle_found[0] in (NOT_APPLICABLE, NOT_JUDGED):
+        outcomes[ORACLE_NUMBERS] = oracle_found
+    else:
+        record(ORACLE_NUMBERS, oracle_found)
+    oracle_judged = oracle_found is None or oracle_found[0] not in (NOT_APPLICABLE, NOT_JUDGED)
     if jax_found is not None:
         found = arbitrate(jax_found, oracle_found)
         if found[0] != JAX_BACKEND_DIFFERS:
-            return finish(found, 8)
-    elif oracle_applicable and oracle_found is not None:
-        return finish(oracle_found, 8)
+            return finish(found, ORACLE_NUMBERS)
+    elif oracle_judged and oracle_found is not None:
+        return finish(oracle_found, ORACLE_NUMBERS)
+    if layouts_found is not None:  # torch held to the LayoutMap: a departure is the JAX backend's
+        found = (JAX_BACKEND_DIFFERS, layouts_found[1] + (f"\n{found[1]}" if found else ""))
     compiled = record(COMPILED, not_compiled(spec, values), None if spec["compile"] == "jit" else "not a jit cell")
-    return finish(compiled or found, 9)
+    return finish(compiled or found, COMPILED)
 
 
 def fit_failure(spec: dict, values: list[dict], nproc: int, reference: dict | None,

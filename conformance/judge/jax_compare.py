@@ -5,8 +5,10 @@ Why a second backend: the single-process torch reference shares the torch backen
 the ranks (its optimizer updates in ``keras/src/backend/torch/optimizers/``, its gradient
 accumulation, its schedule reads), so a maths bug there passes it. Keras promises that its
 backends compute the same model; the JAX backend computes it with other code, under the same
-``keras.distribution`` (its most mature), so it defines both the numbers and the layout of every
-variable and optimizer slot for the cell. What it cannot catch: a bug in code every backend shares
+``keras.distribution`` (its most mature). Its numbers are a reference, arbitrated by the NumPy
+oracle where they differ from torch's; its layouts are held, as torch's are, to the specification
+(the LayoutMap and the optimizer's slots), so a JAX backend that departs from it is named as such
+and never makes torch's correct layout a failure. What it cannot catch: a bug in code every backend shares
 (``keras/src/optimizers/*.py``'s update rules, layers): the NumPy oracle's part.
 
 ``jax`` below is what ``jax_reference.train`` returns; ``values`` what ``rank_train.train`` returns
@@ -16,40 +18,27 @@ on each rank.
 from __future__ import annotations
 
 from conformance.judge.numerics import TOLERANCES, numerics_problems
-from conformance.judge.sharding import intended, mesh_coordinate, shard_size
+from conformance.judge.sharding import intended
+from conformance.judge.slots import expected as expected_slots
 
 #: float32 results of XLA's and torch's CPU kernels may differ in the last bits (fused multiply-adds,
 #: another summation order in matmuls and reductions), and every optimizer step carries a
-#: difference on, so the comparison has the single-process reference's float32 tolerance. Measured
-#: on keras-nightly 3.16.0.dev2026102704, jax 0.10.2, torch 2.13.0+cpu, 2 ranks (docs/measurements.md,
-#: "JAX reference"): the largest difference of any weight, loss or evaluate, as a fraction of what
-#: DEFAULT allows at that value (|d| / (atol + rtol |want|)), was 1.9 % (Nadam), 1 % (the Embedding
-#: model), under 0.4 % for every other optimizer and model; a maths error in an update moves weights
-#: by about one update (>= 1e-3 here), hundreds of times the tolerance.
+#: difference on, so the comparison has the single-process reference's float32 tolerance, for every
+#: optimizer. Measured on keras-nightly 3.16.0.dev2026102704, jax 0.10.2, torch 2.13.0+cpu, 2 ranks
+#: (docs/measurements.md, "JAX reference"): the largest difference of any weight, loss or evaluate, as
+#: a fraction of what DEFAULT allows at that value (|d| / (atol + rtol |want|)), was 1.9 % (Nadam,
+#: whose bias corrections multiply products over steps), 1 % (the Embedding model), 0.08 % for
+#: Adafactor's factored moments, identical results for Lion's sign(), under 0.4 % for every other
+#: optimizer and model; a maths error in an update moves weights by about one update (>= 1e-3 here),
+#: hundreds of times the tolerance.
 DEFAULT = {"rtol": 1e-4, "atol": 1e-5}
 
-#: optimizer name (an ``axes.OPTIMIZERS`` key) -> its tolerance against JAX, with why; a row not
-#: named here gets DEFAULT. The three below were suspected of needing more and measured not to.
-JAX_TOLERANCES = {
-    # sign(beta_1*m + (1-beta_1)*g): an entry within rounding of 0 could take opposite signs on the
-    # two backends, a whole step (lr = 1e-3) apart. Measured: identical results (difference 0.0), so
-    # DEFAULT; a sign flip is a 2e-3 difference that fails, and an entry that close to 0 is not
-    # expected in 4 steps from these weights (the failure would say which weight).
-    "lion": DEFAULT,
-    # Factored second moments: row and column means of g**2, quotients of small sums, where the
-    # reduction order shows most. Measured: 0.08 % of DEFAULT.
-    "adafactor": DEFAULT,
-    # Nadam's bias corrections multiply u_t products over steps (host floats on torch, arrays on
-    # JAX): the largest difference of all, 1.9 % of DEFAULT, still 50 times inside it.
-    "nadam": DEFAULT,
-}
 
-
-def tolerance(optimizer: str, policy: str = "float32") -> dict:
-    """The tolerance against JAX of an ``axes.OPTIMIZERS`` row's cells under a dtype policy: the
-    row's, or the policy's (``numerics.TOLERANCES``: 16-bit compute rounds on both backends) where wider."""
-    row, precision = JAX_TOLERANCES.get(optimizer, DEFAULT), TOLERANCES[policy]
-    return {key: max(row[key], precision[key]) for key in row}
+def tolerance(policy: str = "float32") -> dict:
+    """The tolerance against JAX under a dtype policy: DEFAULT, or the policy's
+    (``numerics.TOLERANCES``: 16-bit compute rounds on both backends) where wider."""
+    precision = TOLERANCES[policy]
+    return {key: max(DEFAULT[key], precision[key]) for key in DEFAULT}
 
 
 # ---------------------------------------------------------------- layouts
@@ -66,56 +55,50 @@ def placements(spec: list | None, mesh_axes: list[str]) -> list[str] | None:
     return None if all(p == "R" for p in result) else result
 
 
-def local_shape(spec: list, shape: tuple, mesh_axes: list[str], mesh: list[int], rank: int) -> tuple:
-    """The local shape torch's chunking gives ``rank`` for a variable laid out as ``spec``."""
-    where = mesh_coordinate(rank, tuple(mesh))
-    local = list(shape)
-    for dim, axes in enumerate(spec):
-        for axis in [axes] if isinstance(axes, str) else (axes or []):
-            i = mesh_axes.index(axis)
-            local[dim] = shard_size(local[dim], mesh[i], where[i])
-    return tuple(local)
+def layout_departures(jax: dict, layout: dict, nproc: int, optimizer: str, frozen=()) -> list[str]:
+    """Where the JAX backend departs from the specification, one line each (empty: it follows it).
 
+    The LayoutMap is the specification of layouts, the optimizer's slots (``slots.expected``, from
+    ``axes.SLOTS``) of their count: torch is held to them (``sharding.sharding_problems``,
+    ``slots.slot_problems``), and so is the JAX backend, here. A variable JAX lays out otherwise than
+    the LayoutMap asks (sharding one the map leaves whole, or keeping whole one it shards), a full
+    optimizer slot laid out otherwise than its variable, or a laid-out, trained variable (not in
+    ``frozen``) with another number of slots than its optimizer keeps, is a departure of the JAX
+    backend, not a layout torch must copy. Slot counts are not judged when the JAX run kept optimizer
+    state no model variable claims (``unattributed_slots``: slots named without their variable's path,
+    a bug of code both backends share that the torch side shows as missing slots)."""
+    axes_names, lines = jax["mesh_axes"], []
 
-def expected_layouts(jax: dict, layout: dict, nproc: int):
-    """``want(var, path, rank)`` for ``sharding.sharding_problems``: the placements and local shape
-    JAX's layout of ``path`` gives on ``rank``; ``path`` is the variable's, and an optimizer slot's
-    is its variable's, since a slot must be sharded like its variable (Keras' promise), whatever a
-    build's shared optimizer code made of it on JAX too. Where JAX keeps whole what the LayoutMap
-    shards, the LayoutMap's layout (``sharding.intended``): a build that ignores the map in code
-    both backends share must not lower what is asked."""
-    specs = {entry["path"]: entry["spec"] for entry in jax["variables"]}
+    def asked(path: str, shape) -> list[str] | None:
+        want = intended(layout, path, tuple(shape), nproc)
+        return None if want is None else want[0]
 
-    def want(var: dict, path: str, rank: int):
-        spec = specs.get(path)
-        where = placements(spec, jax["mesh_axes"])
-        if where is None:
-            return intended(layout, path, tuple(var["shape"]), nproc, rank)
-        return where, local_shape(spec, tuple(var["shape"]), jax["mesh_axes"], jax["mesh_shape"], rank)
+    def said(placement) -> str:
+        return str(placement) if placement else "replicated"
 
-    return want
-
-
-def slot_counts(jax: dict, layout: dict, nproc: int):
-    """``counts(variable)`` for ``slots.slot_problems``: for each variable JAX or the LayoutMap
-    shards, the full and factored optimizer slots JAX keeps for it (None for any other variable).
-
-    None (the hand-written ``axes.SLOTS`` decide) when the JAX run kept optimizer state that no
-    model variable claims (``unattributed_slots``): slots named without their variable's path are
-    the build's bug in code both backends share, and counting JAX's attributed slots would then
-    expect none where the table expects the optimizer's."""
+    for var in jax["variables"]:
+        got, want = placements(var["spec"], axes_names), asked(var["path"], var["shape"])
+        if got != want:
+            lines.append(f"{var['path']}: the JAX backend lays it out {said(got)}, the LayoutMap asks {said(want)}")
+    for slot in jax["slots"]:
+        if slot["factor"] is not None:
+            continue  # factored slots: a layout of their own (slots.factored_problem)
+        got, want = placements(slot["spec"], axes_names), asked(slot["reference"], slot["shape"])
+        if got != want:
+            lines.append(f"optimizer slot {slot['path']}: the JAX backend lays it out {said(got)}, its variable "
+                         f"{slot['reference']} is laid out {said(want)}")
     if jax.get("unattributed_slots"):
-        return None
-    sharded = {e["path"] for e in jax["variables"] if placements(e["spec"], jax["mesh_axes"]) is not None}
-
-    def counts(variable: dict):
-        if variable["path"] not in sharded and intended(layout, variable["path"], tuple(variable["shape"]),
-                                                        nproc) is None:
-            return None
-        mine = [s for s in jax["slots"] if s["reference"] == variable["path"]]
-        return {"full": sum(s["factor"] is None for s in mine), "factored": sum(s["factor"] is not None for s in mine)}
-
-    return counts
+        return lines
+    for var in jax["variables"]:
+        if var["path"] in frozen or asked(var["path"], var["shape"]) is None:
+            continue
+        want = expected_slots(optimizer, var)
+        mine = [s for s in jax["slots"] if s["reference"] == var["path"]]
+        got = {"full": sum(s["factor"] is None for s in mine), "factored": sum(s["factor"] is not None for s in mine)}
+        if got != want:
+            lines.append(f"{var['path']}: the JAX backend keeps {got['full']} optimizer slot(s) and {got['factored']} "
+                         f"factored, {optimizer} keeps {want['full']} and {want['factored']}")
+    return lines
 
 
 # ---------------------------------------------------------------- numbers
@@ -137,7 +120,7 @@ def reported_steps(values: list[dict], jax: dict) -> dict:
     return dict(jax, step_losses=jax["step_losses"][every - 1::every])
 
 
-def numbers_differ_from_jax(optimizer: str, values: list[dict], jax: dict, policy: str = "float32") -> list[str]:
+def numbers_differ_from_jax(values: list[dict], jax: dict, policy: str = "float32") -> list[str]:
     """Every rank's losses, evaluate, predict and final weights against the JAX backend's, within
-    ``tolerance(optimizer, policy)`` (empty: they agree)."""
-    return numerics_problems(values, reported_steps(values, jax), tolerance(optimizer, policy))
+    ``tolerance(policy)``, and its update's scale (``numerics.scale_problems``; empty: they agree)."""
+    return numerics_problems(values, reported_steps(values, jax), tolerance(policy), policy)

@@ -30,20 +30,55 @@ TOLERANCES = {"float32": {"rtol": 1e-4, "atol": 1e-5},
               "mixed_bfloat16": {"rtol": 2 ** -6, "atol": 2 ** -6},
               "mixed_float16": {"rtol": 2 ** -9, "atol": 2 ** -8}}
 
+#: The update-scale check (``scale_problems``): the median, over every element of every weight, of
+#: the rank's update (final weight minus initial) over the reference's must be 1 within this, per dtype
+#: policy. An update factor that is off (a learning rate 1 % wrong, an update lost or applied twice)
+#: moves every element's ratio alike, while 16-bit rounding moves each element its own way and the
+#: median does not follow it: so the ratio sees a 1 % error that the element-wise tolerance, sized for
+#: one element's rounding, lets through under a mixed policy. A median, not a least-squares factor:
+#: Adam's update of an element whose gradient is near 0 is about +-lr whatever the gradient's size, so
+#: rounding can flip its sign, a whole update of that element, and a least-squares factor is pulled
+#: towards 0 by every flip (1.6 % on a correct build, measured); the median ignores them while they
+#: are a minority. Sized from the largest ``|ratio - 1|`` measured on correct builds
+#: (``scripts/update_scale.py``; docs/measurements.md, "The update-scale check").
+SCALE_TOLERANCE = {"float32": 1e-3, "mixed_bfloat16": 4e-3, "mixed_float16": 4e-3}
+
 #: Values a rank reports as metrics: global (all-reduced) or the mean over its local batch.
 REPORTED = ("step_losses", "epoch_loss", "evaluate")
 
 
-def compare(name: str, got, want, dtype: str = "float32", tol: dict | None = None) -> str | None:
-    """None if ``got`` matches ``want`` within the dtype's tolerance (or ``tol``), else what differs."""
+#: Under a mixed policy, the fraction of a weight's (or the predictions') elements that may lie beyond
+#: the element-wise tolerance, each within ``OUTLIER_BOUND`` times it. Adam's update of an element
+#: whose gradient is near 0 is about +-lr whatever the gradient's size, and 16-bit rounding can turn
+#: its sign: a whole step on that element, and on the predictions that read it (measured with
+#: ``--conformance-seed 2``: ``mixed_bfloat16-adam-arrays-nojit-rowshard``, 3 of 212 weight elements
+#: 1.8 times the tolerance, 9 of 384 predictions; docs/measurements.md, "The update-scale check").
+#: What a mixed cell is there to catch acts on whole tensors (a cast, a loss scale, a lost write, an
+#: update factor: ``scale_problems`` and the rest of each tensor); a bug of a few elements shows in
+#: the cell's float32 twin, which allows none.
+OUTLIERS = {"float32": 0.0, "mixed_bfloat16": 0.05, "mixed_float16": 0.05}
+OUTLIER_BOUND = 4
+
+
+def compare(name: str, got, want, dtype: str = "float32", tol: dict | None = None,
+            outliers: float = 0.0) -> str | None:
+    """None if ``got`` matches ``want`` within the dtype's tolerance (or ``tol``), but for at most the
+    fraction ``outliers`` of their elements, each finite and within ``OUTLIER_BOUND`` times the
+    tolerance; else what differs."""
     got, want = np.asarray(got, dtype="float64"), np.asarray(want, dtype="float64")
     if got.shape != want.shape:
         return f"{name}: shape {got.shape}, reference {want.shape}"
     tol = tol or TOLERANCES[dtype]
-    if np.allclose(got, want, **tol):
+    far = ~np.isclose(got, want, **tol)
+    if not far.any():
         return None
-    worst = np.abs(got - want).max()
-    return f"{name}: max abs difference {worst:.3g} from the reference (rtol {tol['rtol']}, atol {tol['atol']})"
+    difference, allowed = np.abs(got - want), tol["atol"] + tol["rtol"] * np.abs(want)
+    if (far.sum() <= outliers * far.size and np.isfinite(got).all()
+            and (difference[far] <= OUTLIER_BOUND * allowed[far]).all()):
+        return None
+    return (f"{name}: max abs difference {difference.max():.3g} from the reference (rtol {tol['rtol']}, "
+            f"atol {tol['atol']}; {int(far.sum())} of {far.size} element(s) beyond it"
+            + (f", {outliers:.0%} allowed within {OUTLIER_BOUND}x" if outliers else "") + ")")
 
 
 def batch_groups(values: list[dict]) -> dict[int, list[int]]:
@@ -81,25 +116,63 @@ def reported_problems(key: str, values: list[dict], want, tol: dict | None = Non
     return []
 
 
-def predict_problems(rank: int, value: dict, want: np.ndarray, tol: dict | None = None) -> list[str]:
+def predict_problems(rank: int, value: dict, want: np.ndarray, tol: dict | None = None,
+                     outliers: float = 0.0) -> list[str]:
     """A rank's predictions against the reference's rows it fed, or all rows if it returned all."""
     got, rows = np.asarray(value["predict"]), np.asarray(value["rows"])
     expected = want if got.shape[:1] == want.shape[:1] else want[rows]
-    problem = compare("predict", got, expected, tol=tol)
+    problem = compare("predict", got, expected, tol=tol, outliers=outliers)
     return [f"rank {rank}: {problem}"] if problem else []
 
 
-def weight_problems(rank: int, value: dict, reference: dict, tol: dict | None = None) -> list[str]:
+def weight_problems(rank: int, value: dict, reference: dict, tol: dict | None = None,
+                    outliers: float = 0.0) -> list[str]:
     """A rank's final (global) weights against the reference's."""
     problems = []
     for path, weight in reference["weights"].items():
         if path not in value["weights"]:
             problems.append(f"rank {rank}: weight {path} missing")
             continue
-        problem = compare(f"weight {path}", value["weights"][path], weight, tol=tol)
+        problem = compare(f"weight {path}", value["weights"][path], weight, tol=tol, outliers=outliers)
         if problem:
             problems.append(f"rank {rank}: {problem}")
     return problems
+
+
+def update_scale(value: dict, reference: dict) -> float | None:
+    """The median over every weight element of ``got / want``, the rank's and the reference's updates
+    (final weights minus the initial ones each started from: the reference's own where it reports
+    them, else the rank's), where the reference's element moved. None where no element moved or a
+    weight is missing or misshapen (``weight_problems`` says so)."""
+    got, want = [], []
+    for path, weight in reference["weights"].items():
+        start = reference.get("initial_weights", value["initial_weights"]).get(path)
+        mine, own_start = value["weights"].get(path), value["initial_weights"].get(path)
+        if start is None or mine is None or own_start is None:
+            return None
+        g = np.asarray(mine, dtype="float64") - np.asarray(own_start, dtype="float64")
+        w = np.asarray(weight, dtype="float64") - np.asarray(start, dtype="float64")
+        if g.shape != w.shape:
+            return None
+        got.append(g.ravel())
+        want.append(w.ravel())
+    if not want:
+        return None
+    got, want = np.concatenate(got), np.concatenate(want)
+    moved = (want != 0) & np.isfinite(want) & np.isfinite(got)
+    return float(np.median(got[moved] / want[moved])) if moved.any() else None
+
+
+def scale_problems(rank: int, value: dict, reference: dict, policy: str) -> list[str]:
+    """The rank's update is the reference's scaled by 1 within ``SCALE_TOLERANCE[policy]``."""
+    if "initial_weights" not in value:
+        return []
+    scale = update_scale(value, reference)
+    bound = SCALE_TOLERANCE[policy]
+    if scale is None or abs(scale - 1) <= bound:
+        return []
+    return [(f"rank {rank}: the update (final weights minus initial) is {scale:.5g} times the reference's "
+             f"(median over every weight element; allowed 1 +- {bound:g} under {policy}): an update factor is off")]
 
 
 def ranks_agree(values: list[dict]) -> list[str]:
@@ -111,13 +184,17 @@ def ranks_agree(values: list[dict]) -> list[str]:
             if not np.array_equal(value["weights"].get(path), weight)]
 
 
-def numerics_problems(values: list[dict], reference: dict, tol: dict | None = None) -> list[str]:
-    """Every rank against the single-process reference, and the ranks against each other.
-    ``tol``: another reference's tolerance (the JAX backend's, ``jax_compare.TOLERANCES``)."""
+def numerics_problems(values: list[dict], reference: dict, tol: dict | None = None,
+                      policy: str = "float32") -> list[str]:
+    """Every rank against the single-process reference (element-wise, and its update's scale), and the
+    ranks against each other. ``tol``: another reference's tolerance (the JAX backend's,
+    ``jax_compare.tolerance``) in place of ``policy``'s."""
+    tol = tol or TOLERANCES[policy]
     problems = []
     for key in REPORTED:
         problems += reported_problems(key, values, reference[key], tol)
     for rank, value in enumerate(values):
-        problems += predict_problems(rank, value, np.asarray(reference["predict"]), tol)
-        problems += weight_problems(rank, value, reference, tol)
+        problems += predict_problems(rank, value, np.asarray(reference["predict"]), tol, OUTLIERS[policy])
+        problems += weight_problems(rank, value, reference, tol, OUTLIERS[policy])
+        problems += scale_problems(rank, value, reference, policy)
     return problems + ranks_agree(values)

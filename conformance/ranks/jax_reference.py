@@ -94,7 +94,7 @@ def train(spec: dict, initial_weights: dict, nproc: int, jit: bool = False, fit:
     if not fit:
         model.optimizer.build(model.trainable_variables)
         return layouts(model)
-    x, y, w = rank_train.make_arrays(model_name)
+    x, y, w = rank_train.make_arrays(model_name, seed=spec.get("seed", 0))
     kwargs = {"batch_size": rank_train.BATCH}
     if spec["data"] == "sample-weights":
         kwargs["sample_weight"] = w

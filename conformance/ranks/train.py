@@ -278,7 +278,7 @@ def train(spec: dict, distributed: bool = True) -> dict:
     compile_mode = spec["compile"]
     if distributed and spec["layout"]["kind"] != "single":
         keras.distribution.set_distribution(make_distribution(spec["layout"]))
-    keras.utils.set_random_seed(0)
+    keras.utils.set_random_seed(spec.get("seed", 0))
     set_policy(spec)
     name = model_name(spec)
     model = build_model(name)
@@ -290,7 +290,7 @@ def train(spec: dict, distributed: bool = True) -> dict:
     model.compile(optimizer=build_optimizer(spec["optimizer"]), loss="mse", **compile_kwargs)
     part = _batch_part_here(spec["layout"], distributed)
     rows, local_batch = local_rows(*part), BATCH // part[1]
-    x, y, w = (local_part(a, rows) for a in make_arrays(name))
+    x, y, w = (local_part(a, rows) for a in make_arrays(name, seed=spec.get("seed", 0)))
     args, kwargs = fit_inputs(spec["data"], x, y, w, local_batch)
 
     step_losses: list[float] = []
