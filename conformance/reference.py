@@ -2,8 +2,8 @@
 
 Three judge a training cell's numbers (README, "Three references"): the single-process torch
 reference (below: a distribution bug), the same build's JAX backend under the same distribution
-(``JaxReferences``: a torch-backend bug that single-process and distributed torch share; it also
-defines the layouts the sharding check expects), and the NumPy oracle for its core set
+(``JaxReferences``: a torch-backend bug that single-process and distributed torch share; its
+layouts are held to the LayoutMap, as torch's are), and the NumPy oracle for its core set
 (``judge/oracle.py``: a bug every backend shares).
 
 By default the reference runs on the build under test. ``--reference-keras-path`` runs it on

@@ -36,37 +36,26 @@ def intended(layout: dict, path: str, shape: tuple, nproc: int, rank: int = 0) -
     return None
 
 
-def _map_layout(layout: dict, nproc: int):
-    """``want(var, path, rank)`` from the layout map alone (``intended``)."""
-    def want(var, path, r):
-        return intended(layout, path, tuple(var["shape"]), nproc, r)
-
-    return want
-
-
-def laid_out(layout: dict, variables: list[dict], nproc: int, want=None) -> list[str]:
-    """The paths of ``variables`` (slots: of their variable) that have an intended layout, by the
-    map or by ``want``: what ``sharding_problems`` can hold to one (none: it cannot fail)."""
-    want = want or _map_layout(layout, nproc)
-    return [var["path"] for var in variables if want(var, var.get("reference", var["path"]), 0) is not None]
+def laid_out(layout: dict, variables: list[dict], nproc: int) -> list[str]:
+    """The paths of ``variables`` (slots: of their variable) that the layout map lays out: what
+    ``sharding_problems`` can hold to a layout (none: it cannot fail)."""
+    return [var["path"] for var in variables
+            if intended(layout, var.get("reference", var["path"]), tuple(var["shape"]), nproc) is not None]
 
 
 def sharding_problems(layout: dict, variables: list[dict], nproc: int, what: str = "",
-                      rank: int | None = None, want=None) -> list[str]:
+                      rank: int | None = None) -> list[str]:
     """What differs from the intended layout, one line per variable (empty: all as asked).
 
     ``variables`` are ``describe_variable`` dicts from ``rank``; a slot carries ``reference``, the
     path of the model variable whose layout it must share. Without ``rank`` (a caller that does
     not say which rank the variables come from), the local shape of any rank is accepted.
-    ``want(var, path, rank)``: the intended layout from elsewhere (the JAX reference's, see
-    ``jax_compare.expected_layouts``) instead of the layout map's.
     """
-    want = want or _map_layout(layout, nproc)
     problems = []
     ranks = range(nproc) if rank is None else [rank]
     for var in variables:
         path = var.get("reference", var["path"])
-        wants = [want(var, path, r) for r in ranks]
+        wants = [intended(layout, path, tuple(var["shape"]), nproc, r) for r in ranks]
         if wants[0] is None:
             continue
         placements = wants[0][0]

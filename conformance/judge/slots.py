@@ -96,27 +96,21 @@ def factored_problem(layout: dict, variable: dict, slot: dict, nproc: int, rank:
 
 # ---------------------------------------------------------------- the check
 def slot_problems(optimizer: str, layout: dict, variables: list[dict], slots: list[dict], nproc: int,
-                  what: str = "", rank: int = 0, counts=None) -> list[str]:
+                  what: str = "", rank: int = 0) -> list[str]:
     """Every variable the layout shards has exactly its expected slots, found by the rank side, and
     its factored slots are laid out as ``factored_problem`` accepts. (Full slots' layouts are held to their
     variable's by ``sharding.sharding_problems``.)
 
     ``variables``: ``describe_variable`` dicts of the model after fit; ``slots``: the rank side's
     slots, each with ``reference`` (its variable's path) and ``factor`` (None for a full slot).
-    ``counts(variable)``: the variables to check and their slot counts from elsewhere (the JAX
-    reference's, ``jax_compare.slot_counts``; None for a variable it does not shard) instead of
-    the layout map and ``axes.SLOTS``.
+    The counts are the optimizer's (``axes.SLOTS``), whatever the JAX backend keeps
+    (``jax_compare.layout_departures`` holds it to the same).
     """
     problems = []
     for variable in variables:
-        if counts is not None:
-            want = counts(variable)
-            if want is None:
-                continue
-        elif intended(layout, variable["path"], tuple(variable["shape"]), nproc) is None:
+        if intended(layout, variable["path"], tuple(variable["shape"]), nproc) is None:
             continue
-        else:
-            want = expected(optimizer, variable)
+        want = expected(optimizer, variable)
         mine = [s for s in slots if s["reference"] == variable["path"]]
         for kind, found in (("full", [s for s in mine if s["factor"] is None]),
                             ("factored", [s for s in mine if s["factor"] is not None])):

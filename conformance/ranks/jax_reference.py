@@ -144,7 +144,7 @@ def layouts(model) -> dict:
         "slots": slots,
         "unmatched_optimizer_variables": unmatched,
         # Optimizer state no model variable claims (scalars such as iterations aside): slots whose
-        # names lost their variable's path, in both backends (``jax_compare.slot_counts``).
+        # names lost their variable's path, in both backends (``jax_compare.layout_departures``).
         "unattributed_slots": [path for path in unmatched if len(shapes.get(path, ())) > 0],
         "mesh_axes": list(mesh.axis_names) if mesh is not None else [],
         "mesh_shape": list(mesh.shape) if mesh is not None else [],
