@@ -16,7 +16,7 @@ import time
 import pytest
 from keras_dtensor_conformance.report import clusters, reproducers
 
-from conformance import reproducible
+from conformance import axes, reproducible
 from conformance.judge import fit_checks, numerics, op_checks
 from conformance.ranks import ops as rank_ops
 from tests import mutants
@@ -214,6 +214,21 @@ def test_a_name_defined_twice_is_refused():
     with pytest.raises(RuntimeError, match="would define TOLERANCES twice"):
         reproducers.script(_cell("test_op[add-tensor-shard1-compiled]", "ops compiled", "compile-fallback", op, "x"),
                            family, {}, 240.0)
+
+
+def test_a_name_an_inlined_module_reads_but_nothing_defines_is_refused():
+    """An inlined module's import is dropped: one that imported a name under another name
+    (``import expected as expected_slots``) would leave that name undefined, a NameError only when the
+    code that reads it runs. The writer refuses the script instead."""
+    assert reproducers._undefined_globals("def f():\n    return expected_slots(1)\n", "x.py") == {"expected_slots"}
+    assert reproducers._undefined_globals("x = 1\ndef f():\n    return len([x])\n", "x.py") == set()
+    training = reproducible.TRAINING
+    cell = _cell("test_fit[adam-arrays-nojit-colshard]", "fit colshard", "numerics",
+                 axes.cell_spec("mlp", "adam", "arrays", "nojit", "colshard"), "x")
+    reproducers.script(cell, training, {}, 240.0)  # the suite's own: every name defined
+    with pytest.raises(RuntimeError, match="would read expected_slots, which nothing in it defines"):
+        reproducers._check_definitions(reproducers.script(cell, training, {}, 240.0)
+                                       + "\ndef g():\n    return expected_slots()\n", cell["id"])
 
 
 def test_a_script_that_would_import_this_project_is_not_written():

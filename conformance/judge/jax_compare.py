@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from conformance.judge.numerics import TOLERANCES, numerics_problems
 from conformance.judge.sharding import intended
-from conformance.judge.slots import expected as expected_slots
+from conformance.judge.slots import expected
 
 #: float32 results of XLA's and torch's CPU kernels may differ in the last bits (fused multiply-adds,
 #: another summation order in matmuls and reductions), and every optimizer step carries a
@@ -92,7 +92,7 @@ def layout_departures(jax: dict, layout: dict, nproc: int, optimizer: str, froze
     for var in jax["variables"]:
         if var["path"] in frozen or asked(var["path"], var["shape"]) is None:
             continue
-        want = expected_slots(optimizer, var)
+        want = expected(optimizer, var)
         mine = [s for s in jax["slots"] if s["reference"] == var["path"]]
         got = {"full": sum(s["factor"] is None for s in mine), "factored": sum(s["factor"] is not None for s in mine)}
         if got != want:
