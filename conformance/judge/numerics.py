@@ -150,8 +150,9 @@ def update_scale(value: dict, reference: dict) -> float | None:
     them, else the rank's), where the reference's element moved. None where no element moved or a
     weight is missing or misshapen (``weight_problems`` says so)."""
     got, want = [], []
+    starts = reference.get("initial_weights", value["initial_weights"])
     for path, weight in reference["weights"].items():
-        start = reference.get("initial_weights", value["initial_weights"]).get(path)
+        start = starts.get(path)
         mine, own_start = value["weights"].get(path), value["initial_weights"].get(path)
         if start is None or mine is None or own_start is None:
             return None
