@@ -230,7 +230,8 @@ def test_the_reusable_workflow_takes_what_keras_needs_to_call_it():
     from tests.workflows import reusable_defaults
 
     defaults = reusable_defaults()
-    assert {"runs-on", "container", "torch-index-url", "pytest-args", "artifact-name", "previous-reports"} <= set(defaults)
+    assert {"runs-on", "container", "torch-index-url", "pytest-args", "artifact-name", "previous-reports",
+            "timeout-minutes"} <= set(defaults)
     assert defaults["torch-index-url"] == "https://download.pytorch.org/whl/cpu"
     assert defaults["container"] == "" and defaults["previous-reports"] == ""
 
@@ -246,7 +247,100 @@ def test_actions_are_current_majors_pinned_by_sha():
     majors = {a: int(next(iter(v))[1].lstrip("v").split(".")[0]) for a, v in pinned.items()}
     # node24 releases: what GitHub's runners keep after node20's retirement
     assert majors == {"actions/checkout": 7, "actions/setup-python": 7, "actions/upload-artifact": 7,
-                      "actions/download-artifact": 8}, majors
+                      "actions/download-artifact": 8, "actions/cache": 6}, majors
+
+
+def zizmor_findings(path) -> list[str]:
+    """zizmor as Keras runs it on its .github (every audit, the default persona), offline."""
+    result = subprocess.run([tool("zizmor"), "--offline", "--format", "json", str(path)], capture_output=True, text=True)
+    assert result.returncode in (0, 10, 11, 12, 13, 14), result.stderr  # 1x: findings of some severity
+    return [f"{f['ident']} ({f['determinations']['severity']}): {f['desc']}" for f in json.loads(result.stdout)]
+
+
+def test_readme_caller_passes_zizmor_as_keras_runs_it(tmp_path):
+    """Issue 41, item 2: Keras runs zizmor on its workflows in every pull request; README's caller
+    pasted there adds no finding (an unpinned ``uses:`` is a high one)."""
+    from tests.workflows import readme_caller_text
+
+    workflows = tmp_path / ".github" / "workflows"
+    workflows.mkdir(parents=True)
+    (workflows / "dtensor-conformance.yml").write_text(readme_caller_text())
+    assert zizmor_findings(tmp_path / ".github") == []
+    (workflows / "dtensor-conformance.yml").write_text(re.sub(r"@[0-9a-f]{40}", "@main", readme_caller_text()))
+    assert any(f.startswith("unpinned-uses (High)") for f in zizmor_findings(tmp_path / ".github"))  # it can fail
+
+
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+
+
+def test_readme_caller_pins_a_commit_whose_workflows_are_todays():
+    """The caller names this repository's workflows at a commit SHA, the same for both, and the
+    reusable workflow's inputs at that commit are today's: a maintainer who pastes it gets the
+    interface README documents (when the inputs change, README's SHA moves to the commit that did it)."""
+    from tests.workflows import REUSABLE, SUITE_REPOSITORY, load, readme_caller_text
+
+    uses = [job["uses"] for job in load(readme_caller_text())["jobs"].values()]
+    shas = {u.rsplit("@", 1)[1] for u in uses}
+    assert all(u.startswith(f"{SUITE_REPOSITORY}/.github/workflows/") for u in uses), uses
+    (sha,) = shas
+    assert re.fullmatch(r"[0-9a-f]{40}", sha), uses
+    if _git("rev-parse", "--is-shallow-repository").stdout.strip() == "true":
+        pytest.skip("a shallow clone (GitHub's checkout) has not the history to look the pinned commit up in")
+    pinned = _git("show", f"{sha}:.github/workflows/{REUSABLE}")
+    assert pinned.returncode == 0, f"README pins {sha}, which this repository does not have: {pinned.stderr}"
+    today = (WORKFLOWS[0].parent / REUSABLE).read_text()
+    assert load(pinned.stdout)["on"]["workflow_call"]["inputs"] == load(today)["on"]["workflow_call"]["inputs"], (
+        f"{REUSABLE}'s inputs changed since {sha}: pin README's caller to the commit that changed them")
+
+
+def test_the_suite_runs_at_the_commit_its_caller_pinned():
+    """Issue 41, item 2: pinning the workflow pins the suite's code: it is checked out at the commit
+    the caller named (job.workflow_sha, of job.workflow_repository), unless overridden on purpose."""
+    from tests.workflows import REUSABLE, reusable_defaults, workflow
+
+    (checkout,) = [s for s in workflow(REUSABLE)["jobs"]["conformance"]["steps"] if s.get("with", {}).get("path") == "suite"]
+    assert checkout["with"]["repository"] == "${{ inputs.suite-repository || job.workflow_repository }}"
+    assert checkout["with"]["ref"] == "${{ inputs.suite-ref || job.workflow_sha }}"
+    defaults = reusable_defaults()
+    assert defaults["suite-repository"] == "" and defaults["suite-ref"] == ""
+
+
+def test_a_gating_leg_runs_in_kerass_container():
+    """Issue 41, item 3: one gating leg in python:3.11-slim, as Keras' CPU tests run, on the same build,
+    torch and expectations as the runner's legs (so the same verdicts, or red); the reusable workflow
+    installs a C++ compiler there, which torch.compile's inductor needs and the image lacks."""
+    from tests.workflows import REUSABLE, workflow
+
+    jobs = workflow("conformance.yml")["jobs"]
+    containers = {name: job["with"] for name, job in jobs.items() if job.get("with", {}).get("container")}
+    (inputs,) = containers.values()
+    runner = jobs["conformance"]["strategy"]["matrix"]
+    nightly = [k for k in runner["keras"] if k["expectations"]]
+    assert inputs["container"] == "python:3.11-slim" and not inputs.get("report-only")
+    assert {"requirement": inputs["keras-requirement"], "expectations": inputs["expectations"]} in nightly
+    assert [inputs["torch-version"]] == runner["torch"] and [inputs["nproc"]] == runner["nproc"]
+    steps = workflow(REUSABLE)["jobs"]["conformance"]["steps"]
+    compiler = steps[0]
+    assert compiler["if"] == "inputs.container != ''" and "build-essential" in compiler["run"]
+
+
+def test_what_a_maintainer_meets_is_set():
+    """Issue 41, item 6: a report-only leg cannot fail the run (job-level continue-on-error: a failed
+    install or checkout included); the job's time limit is an input; pip's downloads are cached;
+    README's caller and the project's matrix cancel a pull request's superseded runs."""
+    from tests.workflows import REUSABLE, load, readme_caller_text, workflow
+
+    job = workflow(REUSABLE)["jobs"]["conformance"]
+    assert job["continue-on-error"] == "${{ inputs.report-only }}"
+    assert not any("continue-on-error" in s for s in job["steps"] if s.get("name") == "Run the conformance suite")
+    assert job["timeout-minutes"] == "${{ inputs.timeout-minutes }}"
+    assert any(str(s.get("uses", "")).startswith("actions/cache@") and s["with"]["path"] == "~/.cache/pip"
+               for s in job["steps"])
+    for caller in (load(readme_caller_text()), workflow("conformance.yml")):
+        assert caller["concurrency"]["group"].startswith("${{ github.workflow }}-${{ github.head_ref || ")
+    summary = next(s for s in job["steps"] if "step summary" in s.get("name", ""))
+    assert "keras_dtensor_conformance.report.annotations" in summary["run"] and summary["if"] == "always()"
 
 
 def actionlint(*paths: str) -> subprocess.CompletedProcess:

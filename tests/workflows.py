@@ -97,14 +97,20 @@ def project_requirements(*extras: str) -> list[str]:
     return requirements
 
 
+#: A git checkout's declared dependencies are only known once it is checked out; the nightly's own
+#: (its wheel's Requires-Dist, Keras' pyproject.toml dependencies of that day) stand in for them.
+CHECKOUT_STAND_IN = "keras-nightly==3.16.0.dev2026102704"
+
+
 def call_leg(name: str, inputs: dict) -> Leg:
     """What a job that calls keras-conformance.yml with these inputs installs: its install step
-    (``torch==VERSION`` or the newest, the suite with the default-build and jax extras) and, for a
-    pip requirement as the build, that requirement's wheel (downloaded with --no-deps: its own
-    requirements are not installed, but it must exist for that Python)."""
+    (``torch==VERSION`` or the newest, the suite with the jax extra, and the build's dependencies:
+    a pip requirement with its own, a git checkout with what its pyproject.toml declares, here
+    ``CHECKOUT_STAND_IN``) and, for a pip requirement, its wheel downloaded with --no-deps."""
     given = {**reusable_defaults(), **{k: v for k, v in inputs.items() if v is not None}}
     torch = f"torch=={given['torch-version']}" if given["torch-version"] else "torch"
-    requirements = (torch, *project_requirements("default-build", "jax"))
+    build = given["keras-requirement"] or CHECKOUT_STAND_IN
+    requirements = (torch, build, *project_requirements("jax"))
     downloads = (given["keras-requirement"],) if given["keras-requirement"] else ()
     # In a container the image's Python runs (python:3.11-slim), not setup-python's.
     image = re.match(r"python:(\d+\.\d+)", str(given.get("container") or ""))
