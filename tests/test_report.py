@@ -69,7 +69,7 @@ def test_grid_counts_and_files(inner):
     assert report["summary"]["verdicts"] == {"compile-fallback": 1, "mixed-tensor": 1, "pass": 4}
 
     md = (inner.pytester.path / "r.md").read_text()
-    assert "### fit colshard" in md and "adam" in md and "| `test_fit[dataloader-adam]` | mixed-tensor |" in md
+    assert "### fit colshard" in md and "adam" in md and "| `test_fit[dataloader-adam]` | new failure | mixed-tensor |" in md
 
     junit = ET.parse(inner.pytester.path / "j.xml")
     assert_valid_xunit2(junit)
