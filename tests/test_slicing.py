@@ -1,0 +1,76 @@
+"""``--conformance-slice K/N`` (issue 42, item 2): every collected cell in exactly one slice, the
+same plan in every slice's session, slices balanced by the recorded durations, a new cell placed by
+its family's mean; bad input one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from keras_dtensor_conformance import slicing
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def collected(tmp_path, *args: str) -> list[list[str]]:
+    """(nodeid, family) of what a session selects, from its collection alone."""
+    out = tmp_path / f"dump-{len(list(tmp_path.iterdir()))}.json"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q",
+                           "-p", "tests.slice_dump", *args], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "KDC_SLICE_DUMP": str(out)}, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return json.loads(out.read_text())
+
+
+def test_the_plan_is_a_partition_longest_first():
+    estimated = {"a": 5.0, "b": 4.0, "c": 3.0, "d": 3.0, "e": 1.0}
+    slices = slicing.plan(estimated, 2)
+    assert slices == [["a", "d"], ["b", "c", "e"]]  # 5+3 and 4+3+1, each in the order given
+    assert sorted(c for s in slices for c in s) == sorted(estimated)
+    assert slicing.plan(estimated, 2) == slices and slicing.plan(estimated, 9)[5:] == [[], [], [], []]
+
+
+def test_a_new_cell_takes_its_familys_mean():
+    cells = [("fit-jit-1", "fit|jit"), ("fit-jit-2", "fit|jit"), ("fit-jit-new", "fit|jit"), ("op-1", "op|eager"),
+             ("other-new", "scenario|")]
+    recorded = {"fit-jit-1": 20.0, "fit-jit-2": 30.0, "op-1": 0.1, "gone": 99.0}
+    assert slicing.estimates(cells, recorded) == {"fit-jit-1": 20.0, "fit-jit-2": 30.0, "fit-jit-new": 25.0,
+                                                   "op-1": 0.1, "other-new": (20 + 30 + 0.1 + 99) / 4}
+
+
+@pytest.mark.parametrize("spec", ["0/3", "4/3", "1/0", "two/3", "1-3"])
+def test_a_bad_slice_is_one_line(spec):
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q",
+                           f"--conformance-slice={spec}", "conformance/test_setup.py"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 4
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert errors == [f"ERROR: --conformance-slice {spec}: expected K/N with 1 <= K <= N (e.g. 2/8)"], proc.stderr
+
+
+def test_slices_of_a_selection_are_its_cells_each_once(tmp_path):
+    """Sessions' own collections: the three slices of a -k selection together are the selection."""
+    selection = ["conformance/test_ops.py", "conformance/test_fit.py", "-k", "add or multiply or sgd-arrays"]
+    whole = [c for c, _ in collected(tmp_path, *selection)]
+    parts = [[c for c, _ in collected(tmp_path, *selection, f"--conformance-slice={k}/3")] for k in (1, 2, 3)]
+    assert len(whole) >= 60 and all(parts)
+    assert sorted(c for part in parts for c in part) == sorted(whole)
+    assert all(part == [c for c in whole if c in part] for part in parts)  # collection order kept
+
+
+def test_full_in_eight_slices_balanced_by_the_recorded_durations(tmp_path):
+    """Every cell of --full in exactly one of 8 slices, their estimated times within 15 % of each
+    other, from the durations file in the repository."""
+    cells = [tuple(c) for c in collected(tmp_path, "--full", "conformance")]
+    assert len(cells) > 5000
+    recorded = slicing.read_durations(str(ROOT / slicing.DEFAULT_DURATIONS))
+    estimated = slicing.estimates(cells, recorded)
+    slices = slicing.plan(estimated, 8)
+    assert sorted(c for s in slices for c in s) == sorted(estimated)
+    totals = [sum(estimated[c] for c in s) for s in slices]
+    assert max(totals) <= 1.15 * min(totals), totals
