@@ -66,6 +66,9 @@ def test_grid_counts_and_files(inner):
     cell = next(c for c in report["cells"] if c["id"] == "test_fit[dataloader-adam]")
     assert cell["axes"] == {"optimizer": "adam", "data": "dataloader"}
     assert (cell["verdict"], cell["outcome"], cell["message"]) == ("mixed-tensor", "failed", "adam broke on dataloader")
+    # what the expectations were applied to, and every collected name: an expectations file can be written from these
+    assert cell["text"].splitlines()[0] == "adam broke on dataloader"
+    assert {c["id"] for c in report["cells"]} <= set(report["collected"])
     assert report["summary"]["verdicts"] == {"compile-fallback": 1, "mixed-tensor": 1, "pass": 4}
 
     md = (inner.pytester.path / "r.md").read_text()

@@ -1,0 +1,203 @@
+"""The upstream kit (``upstream/``): what a Keras maintainer adds to keras-team/keras, held to its
+sources (README's caller, the recorded run against Keras master, the plugin's writer and parser) and
+to the checks Keras runs on its workflows (actionlint; zizmor, as Keras' zizmor.yml runs it)."""
+
+from __future__ import annotations
+
+import difflib
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_workflows import actionlint, tool
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+UPSTREAM = ROOT / "upstream"
+sys.path.insert(0, str(ROOT / "scripts"))
+import upstream_kit
+
+CALLER = UPSTREAM / upstream_kit.CALLER_PATH
+EXPECTATIONS = UPSTREAM / upstream_kit.EXPECTATIONS_PATH
+KERAS_MASTER = "3422977a5e38fb2f7709aaa9a08e47f0c43d0f60"
+
+
+@pytest.fixture(scope="module")
+def record() -> dict:
+    return upstream_kit.load_record(upstream_kit.recorded_run(UPSTREAM))
+
+
+def kit_script(*args: str, cwd=ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "upstream_kit.py"), *args],
+                          capture_output=True, text=True, cwd=cwd, check=False)
+
+
+def test_the_committed_kit_is_what_the_generator_writes_from_the_recorded_run():
+    result = kit_script("--check")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_check_says_in_one_line_what_differs(tmp_path):
+    """``--check`` can fail: an edited expectations file and a stray record are each named."""
+    copy = tmp_path / "upstream"
+    shutil.copytree(UPSTREAM, copy)
+    edited = copy / upstream_kit.EXPECTATIONS_PATH
+    edited.write_text(edited.read_text() + "test_fit[nothing]  numerics  made up\n")
+    (copy / "run-0000000.json").write_text("{}")
+    result = kit_script("--check", "--upstream", str(copy), "--from-run", str(upstream_kit.recorded_run(UPSTREAM)))
+    assert result.returncode == 1, result.stdout + result.stderr
+    (line,) = result.stdout.splitlines()
+    assert upstream_kit.EXPECTATIONS_PATH in line and "run-0000000.json" in line and "-1 lines" in line, line
+
+
+def test_the_record_is_the_run_against_keras_master(record):
+    assert record["keras"] == {"repository": "keras-team/keras", "commit": KERAS_MASTER, "version": "3.16.0"}
+    assert upstream_kit.recorded_run(UPSTREAM).name == f"run-{KERAS_MASTER[:7]}.json"
+    assert record["torch"].startswith("2.13.") and record["jax"] and record["python"]
+    assert record["command"].startswith("pytest ") and "--keras-path" in record["command"]
+    assert record["wall_s"] > 0 and record["nproc"] == 2
+    assert upstream_kit.recorded_run(UPSTREAM).stat().st_size < 300_000
+    verdicts = {v[0] for v in record["cells"].values()}
+    assert "pass" in verdicts and verdicts - {"pass", "skipped"}, verdicts
+
+
+def test_the_caller_is_readmes_block_with_the_kits_expectations():
+    """One source: README's caller, changed on its expectations: line and nowhere else."""
+    from tests.workflows import load, readme_caller_text
+
+    readme, caller = readme_caller_text(), CALLER.read_text()
+    changed = [d for d in difflib.ndiff(readme.splitlines(), caller.splitlines()) if d[:1] in "+-"]
+    assert all("expectations:" in d for d in changed), changed
+    expected = load(readme)
+    for job in expected["jobs"].values():
+        if "expectations" in (job.get("with") or {}):
+            job["with"]["expectations"] = upstream_kit.EXPECTATIONS_PATH
+    assert load(caller) == expected
+    assert upstream_kit.caller_input(caller, "expectations") == upstream_kit.EXPECTATIONS_PATH
+
+
+def test_the_caller_passes_the_workflow_schema_and_actionlint():
+    schema = subprocess.run([tool("check-jsonschema"), "--builtin-schema", "vendor.github-workflows", str(CALLER)],
+                            capture_output=True, text=True, check=False)
+    assert schema.returncode == 0, schema.stdout + schema.stderr
+    lint = actionlint(str(CALLER))
+    assert lint.returncode == 0 and lint.stdout == "", lint.stdout + lint.stderr
+
+
+def zizmor(directory: pathlib.Path) -> list[dict]:
+    """zizmor over a ``.github`` folder, as Keras' zizmor.yml runs it (``zizmor .github``), offline."""
+    result = subprocess.run([tool("zizmor"), "--offline", "--format", "json", str(directory)],
+                            capture_output=True, text=True, check=False)
+    assert result.stdout.strip(), result.stderr
+    return json.loads(result.stdout)
+
+
+def test_zizmor_finds_nothing_of_high_severity_in_the_kit():
+    findings = zizmor(UPSTREAM / ".github")
+    high = [f"{f['ident']}: {f['desc']}" for f in findings if f["determinations"]["severity"] == "High"]
+    assert high == []
+
+
+def test_keras_zizmor_job_stays_green_on_the_kit():
+    """Keras' job fails on a finding of any severity (zizmor's exit code), not only a high one."""
+    findings = zizmor(UPSTREAM / ".github")
+    assert [f"{f['ident']} ({f['determinations']['severity']}): {f['desc']}" for f in findings] == []
+
+
+def test_the_expectations_parse_and_name_torch_2_13():
+    from keras_dtensor_conformance.report.expectations import read, read_torch, torch_matches
+
+    entries = read(str(EXPECTATIONS))
+    assert entries
+    releases, _ = read_torch(str(EXPECTATIONS))
+    assert releases == ("2.13",) and torch_matches(releases, "2.13.0+cpu")
+
+
+def test_every_expectation_fits_a_cell_of_the_recorded_run(record):
+    from keras_dtensor_conformance.report.expectations import read
+
+    _, verdicts = upstream_kit.writer_inputs(record)
+    unmatched = [e.cell for e in read(str(EXPECTATIONS))
+                 if not any(e.matches_cell(c) and e.fits(*vt) for c, vt in verdicts.items())]
+    assert unmatched == []
+
+
+def test_every_failing_cell_of_the_recorded_run_is_expected(record):
+    """The gate starts green on the commit the file was recorded on: each failure has an entry it fits."""
+    from keras_dtensor_conformance.report.expectations import Book, read
+
+    book = Book(read(str(EXPECTATIONS)))
+    _, verdicts = upstream_kit.writer_inputs(record)
+    unexpected = [c for c, (v, text) in verdicts.items()
+                  if v != "pass" and not ((e := book.lookup(c)) is not None and e.fits(v, text))]
+    assert unexpected == []
+
+
+def test_the_caller_runs_on_the_torch_and_nproc_the_expectations_were_recorded_on(record):
+    """The session refuses an expectations file whose ``# torch:`` line does not name the running
+    torch: a caller that installs another torch (``torch-version: ""`` is the newest) is red on every run."""
+    from keras_dtensor_conformance.report.expectations import read_torch, torch_matches
+
+    from tests.workflows import reusable_defaults
+
+    caller = CALLER.read_text()
+    torch = upstream_kit.caller_input(caller, "torch-version")
+    torch = reusable_defaults()["torch-version"] if torch is None else str(torch)
+    releases, _ = read_torch(str(EXPECTATIONS))
+    said = f"the caller installs torch {torch or 'newest'}, the file is for torch {', '.join(releases)}"
+    assert torch and torch_matches(releases, torch), said
+    nproc = upstream_kit.caller_input(caller, "nproc")
+    assert (nproc if nproc is not None else reusable_defaults()["nproc"]) == record["nproc"]
+
+
+def test_the_pr_note_says_how_to_update_the_file_with_the_pinned_suite():
+    note = (UPSTREAM / upstream_kit.PR_PATH).read_text()
+    ref = upstream_kit.suite_ref(CALLER.read_text())
+    assert f"checkout {ref}" in note
+    assert f"--update-expectations ../keras/{upstream_kit.EXPECTATIONS_PATH}" in note
+    assert "report-only" in note
+
+
+def test_the_record_keeps_the_writers_inputs_from_a_report():
+    """A report's cell becomes its verdict and the first line of its text (as it was: pids too); a skipped
+    cell its state; the writer then gives the entry it gives in a session."""
+    report = {
+        "schema": upstream_kit.REPORT_SCHEMA, "created": "x", "duration": 1.0, "clusters": [],
+        "collected": ["a[1]", "a[2]", "a[3]", "b[1]"],
+        "build": {"keras_version": "3.16.0", "git_commit": "f" * 40, "torch_version": "2.13.0+cpu",
+                  "backend": "gloo", "nproc": 2, "capabilities": {}},
+        "cells": [
+            {"id": "a[1]", "verdict": "pass", "outcome": "passed", "message": "", "text": ""},
+            {"id": "a[2]", "verdict": "numerics", "outcome": "failed", "message": "m",
+             "text": "\nrank 1 (pid 42): step_losses differ\nstory"},
+            {"id": "a[3]", "verdict": None, "outcome": "skipped", "message": "needs --nproc 4"},
+        ],
+    }
+    record = upstream_kit.record_from_report(report, commit=None, command="pytest x", wall_s=2.0,
+                                             env={"python": "3.11.7", "jax": "0.10.2", "machine": "m"})
+    assert record["cells"] == {"a[1]": ["pass"], "a[2]": ["numerics", "rank 1 (pid 42): step_losses differ"],
+                               "a[3]": ["skipped", "needs --nproc 4"]}
+    assert record["not_run"] == ["b[1]"]
+    reread = upstream_kit.load_record_text(upstream_kit.dump_record(record))
+    assert reread == record
+    text = upstream_kit.expectations_text(record)
+    assert text.splitlines()[2] == "# torch: 2.13"
+    assert [(e.cell, e.verdict, e.reason) for e in upstream_kit.expectation_entries(text)] == [
+        ("a[2]", "numerics", "rank 1: step_losses differ")]
+
+
+def test_the_caller_pins_a_commit_of_this_suite():
+    """A ``uses:`` pinned to a SHA that is no commit of the suite fails on GitHub before any job starts
+    (and zizmor's online impostor-commit audit, which Keras' job runs, names it)."""
+    ref = upstream_kit.suite_ref(CALLER.read_text())
+    assert len(ref) == 40 and all(c in "0123456789abcdef" for c in ref), f"{ref} is not a commit SHA"
+    shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], capture_output=True, text=True,
+                             cwd=ROOT, check=False)
+    if shallow.returncode != 0 or shallow.stdout.strip() == "true":
+        pytest.skip("not a full git clone: the suite's history is not here to look the commit up in")
+    found = subprocess.run(["git", "cat-file", "-e", f"{ref}^{{commit}}"], capture_output=True, text=True,
+                           cwd=ROOT, check=False)
+    assert found.returncode == 0, f"{ref} is no commit of this repository"
