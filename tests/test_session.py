@@ -29,6 +29,7 @@ def keras_file():
 
 def sleep_forever():
     print("cell started", flush=True)
+    open(f"cell-started-{os.getpid()}", "w").close()  # what the test waits for before it interrupts
     while True:
         time.sleep(0.1)
 
@@ -230,7 +231,9 @@ def start_a_hanging_session(inner, *args: str) -> tuple:
         return found if len(found) == 2 else None
 
     ranks = wait_for(rank_workers, 120, "the ranks to start")
-    time.sleep(3.0)  # the ranks are up; give the controller time to hand them the cell
+    # The cell runs on both ranks: a fixed wait after the ranks started was too short on a loaded
+    # machine (the session was interrupted before its cell began, and its report had no cell).
+    wait_for(lambda: len(list(inner.pytester.path.glob("cell-started-*"))) >= 2, 120, "the cell to start on both ranks")
     return proc, ranks
 
 
