@@ -104,7 +104,9 @@ def first_line(text: str) -> str:
     """The text's first non-blank line, whole and as it was (pids kept): all the writer reads of a
     failing cell's text (its cause, its pattern, its reason) comes from that line, and a pattern made
     from it must match the text a session sees."""
-    return next((line.strip() for line in (text or "").splitlines() if line.strip()), "")
+    from keras_dtensor_conformance.report.expectations import nonblank_line
+
+    return nonblank_line(text)
 
 
 def cell_text(cell: dict) -> str:
