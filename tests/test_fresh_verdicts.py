@@ -2,12 +2,14 @@
 reversed and under ``--isolation fresh`` gets the same verdicts, on the default build (60 cells) and
 on builds that keep state for their process's life (``mutants.STATE_KEEPING``), which are right in a
 fresh process (the 20 of those cells their state changes where ranks are not as fresh ones would be).
-And ``rank/leftovers.py`` finds each kind of state it names."""
+The default build's selection in three slices merges into its forward run's report (issue 42). And
+``rank/leftovers.py`` finds each kind of state it names."""
 
 from __future__ import annotations
 
 import collections
 import json
+import pathlib
 import subprocess
 import sys
 import threading
@@ -17,9 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from keras_dtensor_conformance.rank import leftovers
-
+from keras_dtensor_conformance.report import merge
 from tests import mutants
 from tests.test_mutants import ROOT, session_env
+from tests.test_newest_python import EXPECTATIONS
 
 _OPS = ("add", "subtract", "multiply", "divide", "minimum", "maximum", "power", "where", "matmul", "dot", "einsum",
         "concatenate")
@@ -103,18 +106,30 @@ def test_the_selection_is_large_and_mixed():
     assert {bug for bugs in REAL_BUGS.values() for bug in bugs} <= {c.split("::")[1] for c in STATE_SELECTION}
 
 
-def run_selection(keras_path: str, how: str, out, cells) -> dict:
-    """The verdicts of ``cells`` and the report's isolation record, run ``how`` (``RUNS``)."""
-    report = out / f"{how}.json"
-    extra = {"forward": [], "reversed": ["-p", "tests.reverse_order"], "fresh": ["--isolation", "fresh"]}[how]
+#: The default build's runs beside ``RUNS``: the selection in three slices (``--conformance-slice``),
+#: whose merged report must be the forward run's (issue 42).
+SLICES = tuple(f"slice-{k}/3" for k in (1, 2, 3))
+#: Added to the nightly's expectations for the default build's runs: a glob with a pattern whose 12 cells
+#: all pass, so a whole run finds it no longer applies, and no slice can (each runs a part of its cells):
+#: only a merge that judges the expectations over every slice's cells finds it as the whole run does.
+FIXED_GLOB = "test_op[*-tensor-shard1-eager]  mixed-tensor  /a cause since fixed/  every cell it decides passes"
+
+
+def run_selection(keras_path: str, how: str, out, cells, options=()) -> dict:
+    """The verdicts of ``cells``, the report's isolation record and the report itself, run ``how``
+    (``RUNS``, or ``slice-K/N``), with ``options`` besides."""
+    report = out / "report.json"
+    extra = (["--conformance-slice", how.removeprefix("slice-")] if how.startswith("slice-") else
+             {"forward": [], "reversed": ["-p", "tests.reverse_order"], "fresh": ["--isolation", "fresh"]}[how])
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--keras-path={keras_path}",
-           "--conformance-json", str(report), *extra, *cells]
+           "--conformance-json", str(report), *options, *extra, *cells]
     proc = subprocess.run(cmd, cwd=ROOT, env=session_env(), capture_output=True, text=True, timeout=1800,
                           check=False)
     assert report.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(report.read_text())
     verdicts = {c["id"]: c["verdict"] or "skipped" for c in data["cells"]}
-    return {"verdicts": verdicts, "isolation": data["isolation"], "order": [c["id"] for c in data["cells"]]}
+    return {"verdicts": verdicts, "isolation": data["isolation"], "order": [c["id"] for c in data["cells"]],
+            "report": str(report)}
 
 
 #: A test waits for its builds' runs, which share the machine with other builds' (``selection_runs``):
@@ -156,14 +171,20 @@ def selection_runs(request, keras_nightly_tree, tmp_path_factory):
         tree = keras_nightly_tree if mutant is None else mutants.write_mutant(
             keras_nightly_tree, str(base / build), mutant)
         jobs[build] = {}
-        for how in ("fresh", "forward", "reversed"):  # the longest first: a fresh start before every cell
-            out = base / f"{build}-{how}"
+        options = []
+        if build == "default":  # the nightly's expectations, and a glob only a whole run can find fixed
+            expect = base / "expectations.txt"
+            expect.write_text((ROOT / EXPECTATIONS).read_text() + f"\n{FIXED_GLOB}\n")
+            options = ["--conformance-expect", str(expect)]
+        # The longest first: a fresh start before every cell; the slices last, each a third.
+        for how in ("fresh", "forward", "reversed", *(SLICES if build == "default" else ())):
+            out = base / f"{build}-{how.replace('/', '-')}"
             out.mkdir()
-            jobs[build][how] = pool.submit(run_selection, tree, how, out, CELLS[build])
+            jobs[build][how] = pool.submit(run_selection, tree, how, out, CELLS[build], options)
 
     def runs(build: str) -> dict:
         queue(build)
-        return {how: jobs[build][how].result() for how in RUNS}
+        return {how: job.result() for how, job in jobs[build].items()}
 
     for build in builds_asked(request.session.items):
         queue(build)
@@ -183,6 +204,32 @@ def test_verdicts_are_the_same_in_every_order_and_on_fresh_ranks(build, selectio
     # Fresh mode gave every cell fresh ranks.
     assert fresh["isolation"]["mode"] == "fresh"
     assert fresh["isolation"]["by cause"].get("--isolation fresh", 0) >= len(CELLS[build]) - 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(RUNS_TIMEOUT)
+def test_three_slices_merge_into_the_whole_runs_report(selection_runs):
+    """The selection in three slices, merged (``report/merge.py``), is the report its forward run
+    wrote: every cell's verdict, outcome, expectation and promise states in the same order, the
+    promise counts, the clusters, the references not judged and the glob that no longer applies
+    (durations, rank starts and messages aside: they are the run's, not the build's)."""
+    runs = selection_runs("default")
+    whole = json.loads(pathlib.Path(runs["forward"]["report"]).read_text())
+    parts = [(runs[how]["report"], json.loads(pathlib.Path(runs[how]["report"]).read_text())) for how in SLICES]
+    assert all(part["cells"] for _, part in parts) and sum(len(p["cells"]) for _, p in parts) == len(SELECTION)
+    assert all(FIXED_GLOB.split()[0] not in part["expectations"]["no_longer_apply"] for _, part in parts)
+    merged = merge.merge(parts)
+
+    def judged(report: dict) -> dict:
+        cells = [(c["id"], c["verdict"], c["outcome"], c["expected"], c["promises"], c["cause"], c["checks"])
+                 for c in report["cells"]]
+        return {"cells": cells, **{key: report[key] for key in (
+            "summary", "promises", "unclaimed_failures", "clusters", "reference_fallbacks", "not_judged",
+            "collected", "run", "expectations", "build")}}
+
+    assert whole["expectations"]["no_longer_apply"] == [FIXED_GLOB.split()[0]]
+    assert judged(merged) == judged(whole)
+    assert merge.failing_because(merged, fail_on_regression=True) == merge.failing_because(whole, True) == []
 
 
 @pytest.mark.slow
