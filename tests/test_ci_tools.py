@@ -110,3 +110,87 @@ def test_the_dependency_list_refuses_what_is_not_a_list(tmp_path):
     (tmp_path / "pyproject.toml").write_text("[project]\nname = 'keras'\ndynamic = ['dependencies']\n")
     with pytest.raises(ci.CIError, match=r"no \[project\] dependencies list"):
         ci.keras_dependencies(str(tmp_path))
+
+
+def step_of(job: str, name: str) -> dict:
+    (step,) = [s for s in workflow(REUSABLE)["jobs"][job]["steps"] if s.get("name") == name or s.get("id") == name]
+    return step
+
+
+def run_step(step: dict, cwd: pathlib.Path, **env: str) -> subprocess.CompletedProcess:
+    """A step's ``run:`` under bash, as GitHub runs it (``-e``), with its outputs in $GITHUB_OUTPUT."""
+    environment = {**os.environ, "GITHUB_ACTIONS": "true", "GITHUB_OUTPUT": str(cwd / "output"), **env}
+    return subprocess.run(["bash", "-e", "-c", step["run"]], cwd=cwd, env=environment, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_the_plan_makes_the_slices_matrix(tmp_path):
+    """Issue 42, item 4: ``slices: 3`` is the matrix 1/3, 2/3, 3/3; 1 is one job; anything else one error."""
+    import json
+
+    for slices, matrix in (("3", ["1/3", "2/3", "3/3"]), ("1", ["1/1"])):
+        proc = run_step(step_of("plan", "plan"), tmp_path, SLICES=slices)
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads((tmp_path / "output").read_text().split("=", 1)[1]) == matrix
+        (tmp_path / "output").unlink()
+    proc = run_step(step_of("plan", "plan"), tmp_path, SLICES="0")
+    assert proc.returncode == 1 and proc.stdout == "::error::slices: '0' is not a whole number of at least 1\n"
+
+
+def test_the_merge_step_merges_the_downloaded_slices_and_gates(tmp_path):
+    """The merge job's step on the artifacts as download-artifact lays them out (a folder per slice's
+    artifact), with the previous run's report: the whole run's report, compared, and the job failed
+    for the cell that failed; a slice missing fails it with one line."""
+    import json
+
+    from tests.test_merge import CELLS, report_of, sliced
+
+    name = "conformance-keras-nightly-torch2.13.0-py3.11-n2"
+    for path, report in sliced(tmp_path):
+        folder = tmp_path / "slices" / f"{name}-slice-{report['slice']['k']}"
+        folder.mkdir(parents=True)
+        (folder / "report.json").write_text(json.dumps(report))
+    (tmp_path / "previous" / name).mkdir(parents=True)
+    (tmp_path / "previous" / name / "report.json").write_text(json.dumps(report_of(list(CELLS), tmp_path)))
+    step = step_of("merge", "Merge the slices' reports and gate on the whole run")
+    proc = run_step(step, tmp_path, REPORT_NAME=name, FAIL_ON_REGRESSION="true")
+    assert proc.returncode == 1, proc.stderr
+    assert "1 cell failed or did not finish: test_fit[sgd-colshard]: failing the merged run" in proc.stdout
+    merged = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert len(merged["slices"]) == 3 and merged["compare"]["regressions"] == []
+    assert {p.name for p in (tmp_path / "report").iterdir()} == {"report.json", "report.md", "report.html"}
+    for part in (tmp_path / "slices").glob("*-slice-2"):
+        (part / "report.json").unlink()
+        part.rmdir()
+    proc = run_step(step, tmp_path, REPORT_NAME=name, FAIL_ON_REGRESSION="false")
+    assert proc.returncode == 2 and proc.stderr == "error: slice 2 of 3 missing: a merge needs every slice's report\n"
+
+
+def test_the_summary_opens_with_what_nobody_expected(tmp_path):
+    """Both jobs end with ``ci.py summary``: the Markdown report (unexpected results first) in the job
+    summary, the same results as ``::error`` lines; a report-only leg says so first; no report, why."""
+    import json
+
+    from tests.test_merge import sliced
+
+    from keras_dtensor_conformance.report.markdown import markdown
+    from keras_dtensor_conformance.report.merge import merge
+
+    merged = merge(sliced(tmp_path))
+    (tmp_path / "report").mkdir()
+    (tmp_path / "report" / "report.json").write_text(json.dumps(merged))
+    (tmp_path / "report" / "report.md").write_text(markdown(merged))
+    target = tmp_path / "summary.md"
+    proc = subprocess.run([sys.executable, str(ROOT / "fixtures" / "ci.py"), "summary", "report", "--report-only",
+                           "true"], cwd=tmp_path, env={**os.environ, "GITHUB_STEP_SUMMARY": str(target)},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    written = target.read_text()
+    assert written.startswith(ci.REPORT_ONLY_LINE) and "### Unexpected results (1)" in written
+    assert proc.stdout == (
+        "::error title=new failure%3A test_fit[sgd-colshard]::mixed-tensor: got mixed torch.Tensor and DTensor\n")
+    target.unlink()
+    proc = subprocess.run([sys.executable, str(ROOT / "fixtures" / "ci.py"), "summary", "nothing"], cwd=tmp_path,
+                          env={**os.environ, "GITHUB_STEP_SUMMARY": str(target)}, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0 and target.read_text() == ci.NO_REPORT_LINE + "\n"

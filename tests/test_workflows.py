@@ -340,7 +340,7 @@ def test_what_a_maintainer_meets_is_set():
     for caller in (load(readme_caller_text()), workflow("conformance.yml")):
         assert caller["concurrency"]["group"].startswith("${{ github.workflow }}-${{ github.head_ref || ")
     summary = next(s for s in job["steps"] if "step summary" in s.get("name", ""))
-    assert "keras_dtensor_conformance.report.annotations" in summary["run"] and summary["if"] == "always()"
+    assert summary["run"].startswith("python suite/fixtures/ci.py summary report") and summary["if"].startswith("always()")
 
 
 def actionlint(*paths: str) -> subprocess.CompletedProcess:
@@ -364,3 +364,27 @@ def test_actionlint_checks_expressions_and_shell(tmp_path):
                    "      - run: echo ${{ inputs.b }}\n      - run: echo $SOME_PATH\n")
     out = actionlint(str(bad)).stdout
     assert "inputs.b" in out and "SC2086" in out, out
+
+
+def test_the_workflow_goes_wide_in_slices_and_gates_on_their_merge():
+    """Issue 42, item 4: ``slices: N`` runs the selection as an N-job matrix of ``--conformance-slice
+    K/N``; a last job merges their reports (``report/merge.py``), writes the summary, uploads the
+    whole run's report under the name one job would use (what the next run compares with) and fails
+    as one run would; a report-only leg's merge cannot fail the run either."""
+    from tests.workflows import REUSABLE, reusable_defaults, workflow
+
+    jobs = workflow(REUSABLE)["jobs"]
+    assert reusable_defaults()["slices"] == 1
+    suite, merge = jobs["conformance"], jobs["merge"]
+    assert suite["needs"] == "plan" and suite["strategy"]["matrix"]["slice"] == "${{ fromJSON(needs.plan.outputs.slices) }}"
+    assert suite["strategy"]["fail-fast"] is False
+    run = next(s for s in suite["steps"] if s.get("name") == "Run the conformance suite")["run"]
+    assert 'args+=(--conformance-slice "$SLICE")' in run
+    assert merge["needs"] == ["plan", "conformance"] and merge["if"] == "${{ !cancelled() && inputs.slices > 1 }}"
+    assert merge["continue-on-error"] == "${{ inputs.report-only }}" and merge["permissions"] == {"contents": "read"}
+    steps = {s.get("name", s.get("uses", "")): s for s in merge["steps"]}
+    assert steps["Download the slices' reports"]["with"]["pattern"] == "${{ env.REPORT_NAME }}-slice-*"
+    assert "python -m keras_dtensor_conformance.report.merge slices/*/report.json" in (
+        steps["Merge the slices' reports and gate on the whole run"]["run"])
+    assert steps["Upload the report"]["with"]["name"] == "${{ env.REPORT_NAME }}"
+    assert merge["env"]["REPORT_NAME"] == "${{ needs.conformance.outputs.report-name }}"
