@@ -174,7 +174,7 @@ def selection_runs(request, keras_nightly_tree, tmp_path_factory):
         options = []
         if build == "default":  # the nightly's expectations, and a glob only a whole run can find fixed
             expect = base / "expectations.txt"
-            expect.write_text((ROOT / EXPECTATIONS).read_text() + f"\n{FIXED_GLOB}\n")
+            expect.write_text(pathlib.Path(ROOT, EXPECTATIONS).read_text() + f"\n{FIXED_GLOB}\n")
             options = ["--conformance-expect", str(expect)]
         # The longest first: a fresh start before every cell; the slices last, each a third.
         for how in ("fresh", "forward", "reversed", *(SLICES if build == "default" else ())):

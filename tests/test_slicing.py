@@ -37,10 +37,23 @@ def test_the_plan_is_a_partition_longest_first():
 
 def test_a_new_cell_takes_its_familys_mean():
     cells = [("fit-jit-1", "fit|jit"), ("fit-jit-2", "fit|jit"), ("fit-jit-new", "fit|jit"), ("op-1", "op|eager"),
-             ("other-new", "scenario|")]
-    recorded = {"fit-jit-1": 20.0, "fit-jit-2": 30.0, "op-1": 0.1, "gone": 99.0}
+             ("other-new", "scenario|"), ("mesh-2x2", slicing.SKIPPED), ("fit-grain", "fit|jit")]
+    recorded = {"fit-jit-1": 20.0, "fit-jit-2": 30.0, "op-1": 0.1, "gone": 99.0, "mesh-2x2": 5.0, "fit-grain": 0.0}
     assert slicing.estimates(cells, recorded) == {"fit-jit-1": 20.0, "fit-jit-2": 30.0, "fit-jit-new": 25.0,
-                                                   "op-1": 0.1, "other-new": (20 + 30 + 0.1 + 99) / 4}
+                                                   "op-1": 0.1, "other-new": (20 + 30 + 0.1 + 99 + 5) / 5,
+                                                   "mesh-2x2": 0.0,  # marked to skip here: no time
+                                                   "fit-grain": 0.0}  # recorded as skipped, out of the means
+
+
+def test_a_refresh_records_what_ran_and_what_skipped(tmp_path):
+    report = tmp_path / "r.json"
+    report.write_text(json.dumps({"cells": [
+        {"nodeid": "a", "outcome": "passed", "duration": 1.23456}, {"nodeid": "b", "outcome": "skipped", "duration": 0.01},
+        {"nodeid": "c", "outcome": "interrupted", "duration": 0.5}, {"nodeid": "d", "outcome": "xfailed", "duration": 2}]}))
+    output = tmp_path / "durations.json"
+    output.write_text(json.dumps({"cells": {"c": 7.0, "b": 3.0}}))
+    assert slicing.refresh([str(report)], str(output)) == 4
+    assert slicing.read_durations(str(output)) == {"a": 1.235, "b": 0.0, "c": 7.0, "d": 2.0}
 
 
 @pytest.mark.parametrize("spec", ["0/3", "4/3", "1/0", "two/3", "1-3"])
@@ -68,6 +81,9 @@ def test_full_in_eight_slices_balanced_by_the_recorded_durations(tmp_path):
     other, from the durations file in the repository."""
     cells = [tuple(c) for c in collected(tmp_path, "--full", "conformance")]
     assert len(cells) > 5000
+    # The 2x2-mesh cells, which skip at --nproc 2, are planned as taking no time.
+    mesh = {c for c, family in cells if family == slicing.SKIPPED}
+    assert mesh and all("batchxmodel" in c or "2x2" in c or "mesh" in c for c in mesh), sorted(mesh)[:5]
     recorded = slicing.read_durations(str(ROOT / slicing.DEFAULT_DURATIONS))
     estimated = slicing.estimates(cells, recorded)
     slices = slicing.plan(estimated, 8)
