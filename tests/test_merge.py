@@ -183,3 +183,14 @@ def test_bad_input_is_one_line(tmp_path):
         proc = run_merge(*args, cwd=tmp_path)
         assert proc.returncode == 2 and proc.stdout == ""
         assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith(f"error: {args[0]}: cannot read")
+
+
+def test_the_merged_run_writes_the_expectations_one_run_would(tmp_path):
+    """``--update-expectations`` on the merge: the glob no cell fails any more is dropped (only the
+    whole run knows), the new failure gets an entry, the entry that still fits stays."""
+    from keras_dtensor_conformance.report.expectations import read
+
+    merged = merge.merge(sliced(tmp_path))
+    assert merge.update_expectations(merged, str(tmp_path / "new.txt")) == 2
+    entries = {(e.cell, e.verdict) for e in read(str(tmp_path / "new.txt"))}
+    assert entries == {("test_op[*-compiled]", "compile-fallback"), ("test_fit[sgd-colshard]", "mixed-tensor")}
