@@ -194,3 +194,33 @@ def test_the_summary_opens_with_what_nobody_expected(tmp_path):
                           env={**os.environ, "GITHUB_STEP_SUMMARY": str(target)}, capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0 and target.read_text() == ci.NO_REPORT_LINE + "\n"
+
+
+def run_container_step(tmp_path: pathlib.Path, headers: bool, tools=("g++", "git")) -> subprocess.CompletedProcess:
+    """The container step's shell with g++ and git present (fakes), and a python3 whose include
+    folder has Python.h or not."""
+    bindir, include = tmp_path / "bin", tmp_path / "include"
+    bindir.mkdir()
+    include.mkdir()
+    if headers:
+        (include / "Python.h").write_text("")
+    for name in tools:
+        (bindir / name).write_text("#!/bin/sh\nexit 0\n")
+        (bindir / name).chmod(0o755)
+    (bindir / "python3").write_text(f"#!/bin/sh\necho {include}\n")
+    (bindir / "python3").chmod(0o755)
+    step = step_of("conformance", "Install a C++ compiler and git in the container")
+    return run_step(step, tmp_path, CONTAINER="debian:bookworm", PATH=f"{bindir}{os.pathsep}/usr/bin:/bin")
+
+
+def test_a_container_without_pythons_headers_fails_in_one_line(tmp_path):
+    """Issue 41, item 3: in a chroot shaped like python:3.11-slim the step made the compiled jit cells
+    pass as on the runner; with a distribution's python3 and no -dev package they still failed
+    (``Python.h: No such file``) after it (docs/measurements.md). The step says so instead."""
+    proc = run_container_step(tmp_path, headers=False)
+    assert proc.returncode == 1
+    assert proc.stdout == (f"::error::container debian:bookworm: no Python.h in {tmp_path / 'include'} (torch.compile's "
+                           "C++ includes it): install this Python's -dev package (python3-dev) or use a python:* image\n")
+    fine = tmp_path / "python-image"
+    fine.mkdir()
+    assert run_container_step(fine, headers=True).returncode == 0
