@@ -119,7 +119,8 @@ def step_of(job: str, name: str) -> dict:
 
 def run_step(step: dict, cwd: pathlib.Path, **env: str) -> subprocess.CompletedProcess:
     """A step's ``run:`` under bash, as GitHub runs it (``-e``), with its outputs in $GITHUB_OUTPUT."""
-    environment = {**os.environ, "GITHUB_ACTIONS": "true", "GITHUB_OUTPUT": str(cwd / "output"), **env}
+    path = f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}"  # this venv's python first
+    environment = {**os.environ, "PATH": path, "GITHUB_ACTIONS": "true", "GITHUB_OUTPUT": str(cwd / "output"), **env}
     return subprocess.run(["bash", "-e", "-c", step["run"]], cwd=cwd, env=environment, capture_output=True,
                           text=True, timeout=120)
 
@@ -151,13 +152,17 @@ def test_the_merge_step_merges_the_downloaded_slices_and_gates(tmp_path):
         folder.mkdir(parents=True)
         (folder / "report.json").write_text(json.dumps(report))
     (tmp_path / "previous" / name).mkdir(parents=True)
-    (tmp_path / "previous" / name / "report.json").write_text(json.dumps(report_of(list(CELLS), tmp_path)))
+    previous = report_of(list(CELLS), tmp_path)
+    next(c for c in previous["cells"] if c["id"] == "test_op[add-compiled]")["verdict"] = "pass"
+    (tmp_path / "previous" / name / "report.json").write_text(json.dumps(previous))
     step = step_of("merge", "Merge the slices' reports and gate on the whole run")
     proc = run_step(step, tmp_path, REPORT_NAME=name, FAIL_ON_REGRESSION="true")
     assert proc.returncode == 1, proc.stderr
     assert "1 cell failed or did not finish: test_fit[sgd-colshard]: failing the merged run" in proc.stdout
+    assert ("1 regression against the compared report: test_op[add-compiled]: failing the merged run"
+            in proc.stdout)  # an expected failure now, a pass before: --fail-on-regression reached the merge
     merged = json.loads((tmp_path / "report" / "report.json").read_text())
-    assert len(merged["slices"]) == 3 and merged["compare"]["regressions"] == []
+    assert len(merged["slices"]) == 3 and [e["id"] for e in merged["compare"]["regressions"]] == ["test_op[add-compiled]"]
     assert {p.name for p in (tmp_path / "report").iterdir()} == {"report.json", "report.md", "report.html"}
     for part in (tmp_path / "slices").glob("*-slice-2"):
         (part / "report.json").unlink()

@@ -229,7 +229,6 @@ def test_three_slices_merge_into_the_whole_runs_report(selection_runs):
 
     assert whole["expectations"]["no_longer_apply"] == [FIXED_GLOB.split()[0]]
     assert judged(merged) == judged(whole)
-    assert merge.failing_because(merged, fail_on_regression=True) == merge.failing_because(whole, True) == []
 
 
 @pytest.mark.slow

@@ -30,6 +30,7 @@ CELLS = {
     "test_setup[mesh]": (None, "skipped", None, ""),
 }
 EXPECTATIONS = """\
+# one cause for every compiled op
 test_op[*-compiled]  compile-fallback  /compiled 0 graphs/  the promotion mode stops dynamo
 test_op[*-eager]  mixed-tensor  /mixed/  fixed since: every eager op passes
 """
@@ -42,7 +43,7 @@ PROMISES = [
             breaks=("mixed-tensor",)),
 ]
 BUILD = {"keras_path": "/k", "keras_version": "3.16.0", "git_commit": None, "torch_version": "2.13.0+cpu",
-         "backend": "gloo", "nproc": 2}
+         "python_version": "3.11.7", "backend": "gloo", "nproc": 2}
 
 
 class Options:
@@ -117,9 +118,11 @@ def _set(path: str, value):
     (_set("expectations.entries", []), "is of another expectations file"),
     (_set("slice.k", 1), "slice 1/3 is given 2 times (slice-1.json, slice-2.json)"),
     (_set("slice.n", 4), "is of another number of slices"),
+    (_set("slice.plan", "0123456789abcdef"), "is of another slice plan (another durations file)"),
     (_set("slice", None), "slice-2.json: not a slice's report (its run had no --conformance-slice K/N)"),
     (_set("schema", "other"), "slice-2.json: not a keras-dtensor-conformance JSON report"),
-], ids=["torch", "options", "selection", "expectations", "twice", "other-n", "not-a-slice", "not-a-report"])
+], ids=["torch", "options", "selection", "expectations", "twice", "other-n", "other-plan", "not-a-slice",
+        "not-a-report"])
 def test_reports_that_are_not_one_runs_slices_are_refused(tmp_path, change, says):
     parts = sliced(tmp_path)
     change(parts[1][1])
@@ -128,12 +131,25 @@ def test_reports_that_are_not_one_runs_slices_are_refused(tmp_path, change, says
     assert says in str(refused.value)
 
 
-def test_a_missing_slice_is_refused_and_the_trees_place_may_differ(tmp_path):
+def test_a_missing_slice_or_a_cell_run_twice_is_refused(tmp_path):
     parts = sliced(tmp_path)
     with pytest.raises(merge.MergeError, match="slice 3 of 3 missing"):
         merge.merge(parts[:2])
-    parts[1][1]["build"]["keras_path"] = "/elsewhere/keras"  # another runner's checkout of the same build
+    parts[1][1]["cells"].append(parts[0][1]["cells"][0])
+    with pytest.raises(merge.MergeError, match=r"test_op\[add-eager\] ran in two slices \(slice-1.json, slice-2.json\)"):
+        merge.merge(parts)
+
+
+def test_the_trees_place_and_pythons_patch_level_may_differ(tmp_path):
+    """Slices of one build on other runners: another checkout path, another Python patch release."""
+    parts = sliced(tmp_path)
+    for k, (_, report) in enumerate(parts):
+        report["build"]["keras_path"] = f"/runner{k}/keras"
+        report["build"]["python_version"] = f"3.11.{k + 7}"
     assert merge.merge(parts)["summary"]["cells"] == len(CELLS)
+    parts[2][1]["build"]["python_version"] = "3.12.1"
+    with pytest.raises(merge.MergeError, match="python_version '3.12', not '3.11'"):
+        merge.merge(parts)
 
 
 def run_merge(*args: str, cwd) -> subprocess.CompletedProcess:
@@ -192,5 +208,6 @@ def test_the_merged_run_writes_the_expectations_one_run_would(tmp_path):
 
     merged = merge.merge(sliced(tmp_path))
     assert merge.update_expectations(merged, str(tmp_path / "new.txt")) == 2
-    entries = {(e.cell, e.verdict) for e in read(str(tmp_path / "new.txt"))}
-    assert entries == {("test_op[*-compiled]", "compile-fallback"), ("test_fit[sgd-colshard]", "mixed-tensor")}
+    entries = {(e.cell, e.verdict, e.comments) for e in read(str(tmp_path / "new.txt"))}
+    assert entries == {("test_op[*-compiled]", "compile-fallback", ("# one cause for every compiled op",)),
+                       ("test_fit[sgd-colshard]", "mixed-tensor", ())}  # comments kept, as one run keeps them
