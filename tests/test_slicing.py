@@ -52,8 +52,37 @@ def test_a_refresh_records_what_ran_and_what_skipped(tmp_path):
         {"nodeid": "c", "outcome": "interrupted", "duration": 0.5}, {"nodeid": "d", "outcome": "xfailed", "duration": 2}]}))
     output = tmp_path / "durations.json"
     output.write_text(json.dumps({"cells": {"c": 7.0, "b": 3.0}}))
-    assert slicing.refresh([str(report)], str(output)) == 4
+    assert slicing.refresh([str(report)], str(output)) == (4, [(str(report), 1.0, 0)])  # nothing shared to scale by
     assert slicing.read_durations(str(output)) == {"a": 1.235, "b": 0.0, "c": 7.0, "d": 2.0}
+
+
+def test_a_refresh_records_a_slower_run_in_the_files_seconds(tmp_path):
+    """A slice run on a loaded machine (1.5 times slower here) adds its new cells in the file's
+    seconds, measured on the cells both have; its shared cells keep their figures. Below MIN_SHARED
+    cells, or with --no-scale, the seconds are recorded as they ran."""
+    shared = {f"old-{i}": 1.0 + i / 10 for i in range(slicing.MIN_SHARED)}
+    output = tmp_path / "durations.json"
+    output.write_text(json.dumps({"cells": {**shared, "zero": 0.0}}))
+    ran = [{"nodeid": n, "outcome": "xfailed" if i % 3 else "passed", "duration": 1.5 * s}
+           for i, (n, s) in enumerate(shared.items())]
+    ran += [{"nodeid": "new", "outcome": "failed", "duration": 30.0}, {"nodeid": "zero", "outcome": "passed", "duration": 9.0}]
+    report = tmp_path / "slice.json"
+    report.write_text(json.dumps({"cells": ran}))
+    count, [(_, factor, common)] = slicing.refresh([str(report)], str(output))
+    assert (count, round(factor, 6), common) == (slicing.MIN_SHARED + 2, 1.5, slicing.MIN_SHARED)
+    durations = slicing.read_durations(str(output))
+    assert durations["new"] == 20.0 and durations["zero"] == 6.0
+    assert all(durations[n] == pytest.approx(s, abs=1e-3) for n, s in shared.items())
+
+    output.write_text(json.dumps({"cells": {**shared}}))
+    proc = subprocess.run([sys.executable, "-m", "keras_dtensor_conformance.slicing", str(report), "--output",
+                           str(output), "--no-scale"], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0 and "recorded as it ran (--no-scale)" in proc.stdout, proc.stdout + proc.stderr
+    assert slicing.read_durations(str(output))["new"] == 30.0
+
+    output.write_text(json.dumps({"cells": dict(list(shared.items())[1:])}))  # one cell short of measuring a speed
+    assert slicing.refresh([str(report)], str(output))[1][0][1:] == (1.0, slicing.MIN_SHARED - 1)
+    assert slicing.read_durations(str(output))["new"] == 30.0
 
 
 @pytest.mark.parametrize("spec", ["0/3", "4/3", "1/0", "two/3", "1-3"])
