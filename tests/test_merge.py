@@ -193,6 +193,19 @@ def test_the_command_fails_on_a_regression_only_when_asked(tmp_path):
     assert "1 regression against the compared report: test_op[sub-eager]" in failed.stdout
 
 
+def test_cells_no_slice_reached_fail_the_merged_run(tmp_path):
+    """A slice killed between two cells (its job's time limit) interrupted none of them: the cells it
+    never reached are in no report, and the merge fails, naming them, as the whole run would have."""
+    slices = sliced(tmp_path)
+    whole = merge.merge(slices)
+    assert whole["not_run"] == [] and not any("ran in no slice" in why for why in merge.failing_because(whole, False))
+    last = slices[1][1]["cells"].pop()
+    merged = merge.merge(slices)
+    assert merged["not_run"] == [last["nodeid"]] and last["id"] not in [c["id"] for c in merged["cells"]]
+    assert f"1 cell of the selection ran in no slice (a slice ended before them): {last['nodeid']}" in \
+        merge.failing_because(merged, False)
+
+
 def test_bad_input_is_one_line(tmp_path):
     (tmp_path / "broken.json").write_text("{")
     for args in (["broken.json"], ["absent.json"]):
