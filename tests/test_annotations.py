@@ -44,6 +44,17 @@ def test_the_unexpected_results_are_each_listed_once():
                      ("other-way", "expected numerics", "error"), ("absorbed", "regression", "crash")]
 
 
+def test_a_cell_without_a_verdict_is_unexpected_too():
+    """A cell the session interrupted, and one a merge's slices never reached (``not_run``), failed the
+    run as a failure does: the summary must say so, not only the merge's log."""
+    cut = record("cut", None, "interrupted", "interrupted (KeyboardInterrupt)")
+    report = build_report([record("fine", "pass", "passed"), cut], BANNER, 1.0)
+    report["not_run"] = ["conformance/test_fit.py::test_fit[sgd-arrays-jit-dataparallel]"]
+    assert [(u["id"], u["kind"], u["message"]) for u in unexpected(report)] == [
+        ("cut", "interrupted", "interrupted (KeyboardInterrupt)"),
+        ("test_fit[sgd-arrays-jit-dataparallel]", "not run", "its slice ended before this cell ran")]
+
+
 def test_the_markdown_opens_with_them_and_the_versions():
     text = markdown(reports())
     assert "Python 3.11.7, numpy 2.4.6, JAX 0.10.2" in text
