@@ -131,6 +131,19 @@ def test_reports_that_are_not_one_runs_slices_are_refused(tmp_path, change, says
     assert says in str(refused.value)
 
 
+def test_a_refusal_names_the_first_difference_not_both_whole(tmp_path):
+    """An expectations record that differs in one entry's comment (a slice written by an older plugin)
+    is refused in one short line naming that entry, not with both files' entries in full."""
+    parts = sliced(tmp_path)
+    parts[1][1]["expectations"]["entries"][0].append("# a comment the other slice's record lacks")
+    with pytest.raises(merge.MergeError) as refused:
+        merge.merge(parts)
+    said = str(refused.value)
+    assert said.endswith("another expectations file than slice 1/3 (slice-1.json): entries item 1 has 6 items, "
+                         "not 5 (item 6: \"# a comment the other slice's record lacks\")"), said
+    assert len(said) < 400 and "\n" not in said, said
+
+
 def test_a_missing_slice_or_a_cell_run_twice_is_refused(tmp_path):
     parts = sliced(tmp_path)
     with pytest.raises(merge.MergeError, match="slice 3 of 3 missing"):
