@@ -8,6 +8,7 @@ with a message naming the row, instead of a cell that runs unjudged or a table o
 from __future__ import annotations
 
 import ast
+import collections
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from conformance import axes
 from conformance.axes import Optimizer, Slots
 from conformance.judge import oracle
 from conformance.ranks import ops as rank_ops
+from conformance.ranks import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -88,6 +90,15 @@ def test_a_float32_cell_is_what_it_was_before_the_policy_axis_and_a_mixed_one_na
     assert lora == set(axes.LORA_DEFAULT) and {m for m, _ in lora} == set(axes.LORA_MODELS)
     assert {(c[0], c[4]) for c in full if c[0] in axes.LORA_MODELS} == {
         (m, layout) for m in axes.LORA_MODELS for layout in axes.LAYOUTS}
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["default", "full"])
+def test_no_two_training_cells_build_and_run_the_same(full):
+    """A cell's id names the model it builds: two cells that build one model with one optimizer, data
+    source, compile mode, layout and policy are one cell run twice under two names."""
+    built = collections.Counter((train.model_name(axes.cell_spec(*cell)), *cell[1:])
+                                for cell in axes.training_cells(full))
+    assert [cell for cell, n in built.items() if n > 1] == []
 
 
 def test_slot_counts_are_plain_data_a_reproducer_inlines():
