@@ -81,6 +81,11 @@ def test_every_gating_leg_can_be_green():
             assert expectations == ""  # no torch distribution: every cell skips, said once
             continue
         assert expectations.startswith("suite:") and (ROOT / expectations.removeprefix("suite:")).is_file(), leg
+    # Issue 42: --full gates too, in slices, on the default tier's file, which a whole --full run recorded.
+    full = jobs["conformance-full"]["with"]
+    assert full["tier"] == "full" and full["slices"] > 1 and not full.get("report-only")
+    assert (full["nproc"], full["torch-version"]) == (2, "2.13.0")
+    assert full["expectations"] in {leg["expectations"] for leg in matrix["keras"]}
 
 
 def test_the_mesh_leg_gates_the_2x2_cells_on_their_own_expectations():
