@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from keras_dtensor_conformance.rank import leftovers
+from keras_dtensor_conformance.rank import isolation, leftovers
 from keras_dtensor_conformance.report import merge
 from tests import mutants
 from tests.test_mutants import ROOT, session_env
@@ -253,10 +253,12 @@ KEPT = {"promotion-mode-once": {leftovers.DISPATCH_MODE, leftovers.KERAS_STATE},
 
 @pytest.mark.slow
 @pytest.mark.timeout(RUNS_TIMEOUT)
-def test_the_default_build_leaves_nothing_but_lazy_imports(selection_runs):
-    """On the default build ranks are replaced only to import a module a cell imported first."""
+def test_the_default_build_leaves_nothing(selection_runs):
+    """On the default build no cell leaves anything: not even the torch optimizers the first fit
+    imports, which ranks import when they start (``isolation.LAZY_PACKAGES``), so no pool is started
+    twice."""
     causes = selection_runs("default")["forward"]["isolation"]["by cause"]
-    assert set(causes) <= {"first start", leftovers.KERAS_MODULES}, causes
+    assert set(causes) == {"first start"}, causes
 
 
 # ---------------------------------------------------------------- the comparison, in this process
@@ -276,6 +278,26 @@ def fake_build(monkeypatch):
     monkeypatch.setitem(sys.modules, "kdc_fake_build", types.ModuleType("kdc_fake_build"))
     monkeypatch.setitem(sys.modules, module.__name__, module)
     return module
+
+
+def test_a_rank_imports_the_lazy_packages_and_leaves_out_what_fails(tmp_path, monkeypatch):
+    """Every module directly in a listed package is imported, but one that raises (its cell reports
+    that) and a package the build lacks."""
+    package = tmp_path / "kdc_lazy_build" / "optimizers"
+    package.mkdir(parents=True)
+    (package.parent / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "good.py").write_text("VALUE = 1\n")
+    (package / "broken.py").write_text("raise RuntimeError('this build cannot import it')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(isolation.LAZY_PACKAGES, "kdc", ("kdc_lazy_build.optimizers", "kdc_lazy_build.absent"))
+    try:
+        assert isolation.import_lazy_packages("kdc") == ["kdc_lazy_build.optimizers", "kdc_lazy_build.optimizers.good"]
+        assert "kdc_lazy_build.optimizers.broken" not in sys.modules
+        assert isolation.import_lazy_packages("another-backend") == []
+    finally:
+        for name in [n for n in sys.modules if n.startswith("kdc_lazy_build")]:
+            del sys.modules[name]
 
 
 def _causes(baseline) -> set:
