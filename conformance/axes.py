@@ -204,7 +204,21 @@ LAYOUTS = {
     # Every rank on the batch axis: input batches are DTensors sharded over a mesh axis > 1.
     "batchshard": {"kind": "model-parallel", "map": _COLUMN, "mesh": ["nproc", 1]},
     "dataparallel": {"kind": "data-parallel"},
+    # Meshes whose axes are ordered or named otherwise (issue 54): the model axis first, split or of one
+    # device; the batch axis called "data" (the LayoutMap's batch_dim_name). Keras finds a mesh axis by
+    # its name, so a build that takes the batch axis for the first one, or for one called "batch", fails
+    # here. Not in the training cells' products (MATRIX_LAYOUTS): MESH_NAMING_CELLS are theirs.
+    "colshard-modelfirst": {"kind": "model-parallel", "map": _COLUMN, "axes": ["model", "batch"], "mesh": ["nproc", 1]},
+    "batchshard-modelfirst": {"kind": "model-parallel", "map": _COLUMN, "axes": ["model", "batch"],
+                              "mesh": [1, "nproc"]},
+    "colshard-data": {"kind": "model-parallel", "map": _COLUMN, "axes": ["data", "model"], "batch_axis": "data"},
 }
+#: The layouts of the training cells' products: every layout but the meshes named or ordered otherwise.
+MATRIX_LAYOUTS = tuple(name for name, layout in LAYOUTS.items() if "axes" not in layout)
+#: The training cells on those meshes (model, optimizer, data, compile, layout): in the default tier,
+#: Adam on arrays and SGD from a DataLoader, eagerly; ``--full`` adds the MLP's product over them.
+MESH_NAMING_CELLS = tuple(cell for layout in LAYOUTS if layout not in MATRIX_LAYOUTS
+                          for cell in (("mlp", "adam", "arrays", "nojit", layout), ("mlp", "sgd", "dataloader", "eager", layout)))
 
 MODELS = ("mlp", "embedding", "attention", "batchnorm")
 #: LoRA fine-tuning (issue 27, item 2): the MLP with LoRA on both Dense layers, its LoRA kernels left
@@ -307,7 +321,8 @@ def training_cells(full: bool) -> list[tuple]:
       - every model x every layout, Adam, arrays, nojit; and every layout x compile mode, MLP;
       - the sources other than arrays and DataLoader off the column-sharded layout
         (``HAND_FED_SOURCES_OFF_COLUMN``: a covering design over DataParallel and batchshard);
-      - the LoRA models on ``LORA_DEFAULT``'s layouts and the mixed cells of ``MIXED_DEFAULT``.
+      - the LoRA models on ``LORA_DEFAULT``'s layouts and the mixed cells of ``MIXED_DEFAULT``;
+      - ``MESH_NAMING_CELLS`` on the meshes named or ordered otherwise (the products take ``MATRIX_LAYOUTS``).
     ``--full`` adds every optimizer x data source, and models x optimizers x compile modes.
     """
     cells = []
@@ -315,23 +330,26 @@ def training_cells(full: bool) -> list[tuple]:
         pairs = entry.default_cells or itertools.product(["arrays", "dataloader"], COMPILE_MODES)
         cells += [("mlp", name, data, compile_mode, "colshard", POLICIES[0]) for data, compile_mode in pairs]
     cells += _product(["mlp"], ["adam"], DATA_SOURCES, ["eager", "nojit", "jit"], ["colshard"])
-    cells += _product(MODELS, ["adam"], ["arrays"], ["nojit"], LAYOUTS)
-    cells += _product(["mlp"], ["sgd", "adam"], ["arrays", "dataloader"], COMPILE_MODES, LAYOUTS)
+    cells += _product(MODELS, ["adam"], ["arrays"], ["nojit"], MATRIX_LAYOUTS)
+    cells += _product(["mlp"], ["sgd", "adam"], ["arrays", "dataloader"], COMPILE_MODES, MATRIX_LAYOUTS)
     cells += [(*cell, POLICIES[0]) for cell in HAND_FED_SOURCES_OFF_COLUMN]  # issue 19 item 4
     cells += [(model, "adam", "arrays", "nojit", layout, POLICIES[0]) for model, layout in LORA_DEFAULT]  # issue 27
     cells += [("mlp", optimizer, "arrays", "nojit", layout, policy) for policy, optimizer, layout in MIXED_DEFAULT]
+    cells += [(*cell, POLICIES[0]) for cell in MESH_NAMING_CELLS]  # issue 54
     mixed = POLICIES[1:]
     if full:
-        cells += _product(LORA_MODELS, ["adam"], ["arrays"], ["nojit"], LAYOUTS)
-        cells += _product(["mlp"], MIXED_OPTIMIZERS, ["arrays", "dataloader"], COMPILE_MODES, LAYOUTS, mixed)
+        cells += _product(LORA_MODELS, ["adam"], ["arrays"], ["nojit"], MATRIX_LAYOUTS)
+        cells += _product(["mlp"], MIXED_OPTIMIZERS, ["arrays", "dataloader"], COMPILE_MODES, MATRIX_LAYOUTS, mixed)
         # The other models with SGD: Adam turns 16-bit rounding in a near-zero gradient into a whole step
         # (docs/measurements.md, "Mixed precision"), SGD's step is the gradient's own size.
-        cells += _product(MODELS, ["sgd"], ["arrays"], ["nojit", "jit"], LAYOUTS, mixed)
-        cells += _product(LORA_MODELS, ["sgd", "adam", "adamw"], ["arrays"], ["nojit", "jit"], LAYOUTS, mixed)
-        cells += _product(LORA_MODELS, ["sgd", "adam", "adamw"], ["arrays", "dataloader"], COMPILE_MODES, LAYOUTS)
+        cells += _product(MODELS, ["sgd"], ["arrays"], ["nojit", "jit"], MATRIX_LAYOUTS, mixed)
+        cells += _product(LORA_MODELS, ["sgd", "adam", "adamw"], ["arrays"], ["nojit", "jit"], MATRIX_LAYOUTS, mixed)
+        cells += _product(LORA_MODELS, ["sgd", "adam", "adamw"], ["arrays", "dataloader"], COMPILE_MODES, MATRIX_LAYOUTS)
         cells += _product(["mlp"], OPTIMIZERS, DATA_SOURCES, ["nojit", "jit"], ["colshard"])
         cells += _product(MODELS, OPTIMIZERS, ["arrays", "dataloader"], COMPILE_MODES, ["colshard", "rowshard"])
-        cells += _product(MODELS, ["adam"], DATA_SOURCES, COMPILE_MODES, LAYOUTS)
+        cells += _product(MODELS, ["adam"], DATA_SOURCES, COMPILE_MODES, MATRIX_LAYOUTS)
+        cells += _product(["mlp"], ["sgd", "adam"], ["arrays", "dataloader"], COMPILE_MODES,
+                          [layout for layout in LAYOUTS if layout not in MATRIX_LAYOUTS])
     # Dict inputs build the two-input MLP whatever the row's model (ranks/train.model_name): another
     # model's dict cell would run the MLP's cell again under the other model's name.
     cells = [cell for cell in cells if cell[2] != "dict" or cell[0] == "mlp"]

@@ -16,7 +16,8 @@ STEPS = 4
 BATCH = 24
 SAMPLES = STEPS * BATCH
 VOCAB = 20
-#: The mesh axes of every layout, in order: (batch, model).
+#: The mesh axes of a layout, in order, unless it names its own (``axes``, with its ``batch_axis``:
+#: a mesh ordered ``("model", "batch")``, or whose batch axis is called ``"data"``).
 MESH_AXES = ("batch", "model")
 #: The MLP with LoRA of this rank on both Dense layers (``ranks/train.build_model``), fed the MLP's
 #: data; ``lora-sharded``'s LayoutMap also shards the LoRA kernels along their base kernel's split
@@ -35,8 +36,18 @@ def policy(spec: dict) -> str:
 
 
 def mesh_shape(layout: dict, nproc: int) -> tuple[int, ...]:
-    """The (batch, model) mesh of a layout; "nproc" stands for the number of ranks."""
+    """The mesh of a layout, its sizes in the order of ``mesh_axes``; "nproc" stands for the number of ranks."""
     return tuple(nproc if d == "nproc" else d for d in layout.get("mesh", (1, "nproc")))
+
+
+def mesh_axes(layout: dict) -> tuple[str, ...]:
+    """The names of a layout's mesh axes, in mesh order (``MESH_AXES`` unless it names its own)."""
+    return tuple(layout.get("axes", MESH_AXES))
+
+
+def batch_axis(layout: dict) -> str:
+    """The name of the mesh axis a layout's batches are sharded over (its ``batch_dim_name``)."""
+    return layout.get("batch_axis", MESH_AXES[0])
 
 
 def mesh_coordinate(rank: int, mesh: tuple[int, ...]) -> tuple[int, ...]:
@@ -86,8 +97,9 @@ def batch_part(layout: dict, rank: int, nproc: int) -> tuple[int, int]:
         return 0, 1
     if layout["kind"] == "data-parallel":
         return rank, nproc
-    batch, model = mesh_shape(layout, nproc)
-    return rank // model, batch
+    mesh = mesh_shape(layout, nproc)
+    dim = mesh_axes(layout).index(batch_axis(layout))
+    return mesh_coordinate(rank, mesh)[dim], mesh[dim]
 
 
 def local_rows(index: int, count: int) -> np.ndarray:

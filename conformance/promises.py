@@ -33,6 +33,7 @@ from keras_dtensor_conformance import (
 )
 
 from conformance import axes
+from conformance.cell_data import batch_axis, mesh_axes
 from conformance.judge import fit_checks
 from conformance.judge.op_checks import OP_COMPILED, OP_PLACEMENTS, OP_VALUE
 
@@ -70,7 +71,8 @@ def shards_variables(cell: dict) -> bool:
 
 #: Layouts with several batch shards (with more than one process): each process feeds its own part.
 BATCH_SHARDED_LAYOUTS = tuple(name for name, layout in axes.LAYOUTS.items()
-                              if layout["kind"] == "data-parallel" or layout.get("mesh", (1,))[0] != 1)
+                              if layout["kind"] == "data-parallel"
+                              or layout.get("mesh", (1,))[mesh_axes(layout).index(batch_axis(layout))] != 1)
 
 
 def feeds_batch_shards(cell: dict) -> bool:
@@ -165,6 +167,11 @@ def state(cell: dict, kind: str) -> bool:
     return family(cell) == "state" and cell["axes"].get("state") == kind
 
 
+def workflow(cell: dict) -> bool:
+    """A cell that runs a flow of several fits as users do (``test_workflows.py``)."""
+    return family(cell) == "workflows"
+
+
 def ranks_stopped(cell: dict) -> bool:
     """A rank did not run to the end: it crashed, hung or raised (``ranks``: every rank's outcome
     where the cell recorded them; a raised verdict without them, e.g. ranks that could not start)."""
@@ -255,6 +262,17 @@ PROMISES = (
             tests=lambda cell: state(cell, "checkpoint"),
             breaks=lambda cell: state(cell, "checkpoint") and cell["verdict"] in (NUMERICS, SHARDING_LOST, ERROR),
             scope="the resumed run against an uninterrupted single process, and the loaded layouts"),
+    # issue 54: the flows users run between and around fits (test_workflows.py, family "workflows").
+    Promise("workflows-train-as-one-process", "the flows users run between and around fits (fine-tuning, LoRA "
+            "after a fit, a recompile, another batch size, a model built or loaded before the distribution, a "
+            "second distribution) train as one process running them does", tests=workflow,
+            breaks=lambda cell: workflow(cell) and (cell["verdict"] in (NUMERICS, SHARDING_LOST, HANG_VERDICT)
+                                                    or ranks_stopped(cell) or judged_error(cell)),
+            kept_despite=lambda cell: workflow(cell) and cell["verdict"] == COMPILE_FALLBACK,
+            scope="after every fit of the flow: each step's loss, every weight and the ranks' agreement against "
+                  "one process running the same flow on the global batches, frozen variables bit-equal, and the "
+                  "layouts where the flow makes its variables under the distribution; a flow that raises on a "
+                  "rank breaks it"),
     Promise("compile", "torch.compile compiles the whole step", tests=lambda cell: cell["axes"].get("compile") in (
         "jit", "compiled"), breaks=(COMPILE_FALLBACK, COMPILE_TIMEOUT), checks=(fit_checks.COMPILED, OP_COMPILED),
             scope="dynamo's counters: a jit cell's whole train step in compiled graphs; a compiled op in the graphs "

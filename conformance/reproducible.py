@@ -7,25 +7,19 @@ modules a script inlines are named here, beside them, not in the plugin. A train
 ``ranks/train.train`` and judges with ``judge/fit_checks.fit_failure``, the order of checks the
 suite's judge uses; it compares with a single-process run of the same cell that it starts itself,
 and does not run the NumPy oracle. An op script runs ``ranks/ops.op_cell`` and judges with
-``judge/op_checks.op_failure``.
+``judge/op_checks.op_failure``. A workflow script runs ``ranks/workflows.run_flow`` and judges with
+``judge/workflows.workflow_failure`` against one process running the same flow, started as a
+training script starts its reference (``_WITH_REFERENCE``, the code both share).
 """
 
 from __future__ import annotations
 
 from keras_dtensor_conformance import Family
 
-TRAINING = Family(
-    name="training",
-    prefix="fit",
-    modules=("conformance.cell_data", "conformance.judge.sharding", "conformance.judge.slots",
-             "conformance.judge.numerics", "conformance.judge.jax_compare", "conformance.judge.compile_evidence",
-             "conformance.judge.communication", "conformance.ranks.feeding", "conformance.ranks.step_communication",
-             "conformance.ranks.train", "conformance.judge.fit_checks"),
-    spec_comment="The cell, literally: model, optimizer (class and arguments), data source, compile mode, layout.",
-    code='''
-#: What a run that does not reproduce did.
-_PASSED = ("trained and passed the suite's checks (sharding, numbers against a single-process run, "
-           "compilation; the suite's NumPy oracle is not run here)")
+#: The code of a script that compares with a single-process run it starts itself: ``_cell(spec,
+#: distributed=True)`` runs the cell on this process, ``_reference_spec(spec)`` is the one process's
+#: spec; the family defines both.
+_WITH_REFERENCE = '''
 #: torchrun's variables: the single-process run must not join (or think it is in) the group.
 _GROUP_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                     "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
@@ -33,7 +27,7 @@ _GROUP_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GRO
 
 def _subcommand(args):
     """``FILE --reference OUT``: the single-process run, in a process of its own (no group, no
-    distribution), as the suite's reference runs; what train returns is pickled to OUT."""
+    distribution), as the suite's reference runs; what ``_cell`` returns is pickled to OUT."""
     import pickle
 
     if len(args) != 2 or args[0] != "--reference":
@@ -41,7 +35,7 @@ def _subcommand(args):
     import keras
 
     keras.config.disable_traceback_filtering()
-    value = train(reference_spec(SPEC), False)
+    value = _cell(_reference_spec(SPEC), False)
     with open(args[1], "wb") as f:
         pickle.dump(value, f)
 
@@ -70,7 +64,7 @@ def _run():
     single-process reference, computed once by rank 0."""
     import torch.distributed as dist
 
-    value = train(SPEC)
+    value = _cell(SPEC)
     values = [None] * dist.get_world_size()
     dist.all_gather_object(values, value)
     reference = [_reference() if dist.get_rank() == 0 else None]
@@ -78,6 +72,22 @@ def _run():
     return values, reference[0]
 
 
+'''
+
+TRAINING = Family(
+    name="training",
+    prefix="fit",
+    modules=("conformance.cell_data", "conformance.judge.sharding", "conformance.judge.slots",
+             "conformance.judge.numerics", "conformance.judge.jax_compare", "conformance.judge.compile_evidence",
+             "conformance.judge.communication", "conformance.ranks.feeding", "conformance.ranks.step_communication",
+             "conformance.ranks.train", "conformance.judge.fit_checks"),
+    spec_comment="The cell, literally: model, optimizer (class and arguments), data source, compile mode, layout.",
+    code='''
+#: What a run that does not reproduce did.
+_cell, _reference_spec = train, reference_spec
+_PASSED = ("trained and passed the suite's checks (sharding, numbers against a single-process run, "
+           "compilation; the suite's NumPy oracle is not run here)")
+''' + _WITH_REFERENCE + '''
 def _judge(evidence):
     """The suite's own checks in the suite's order (fit_failure, conformance/judge/fit_checks.py,
     inlined above), against the JAX evidence the suite judged the cell with: (verdict, message) or None."""
@@ -121,5 +131,40 @@ def _judge(values):
 ''',
 )
 
+WORKFLOWS = Family(
+    name="workflow",
+    prefix="workflows",
+    modules=(*TRAINING.modules, "conformance.ranks.workflows", "conformance.judge.workflows"),
+    spec_comment="The cell, literally: the flow, its compile mode and layout (a second layout where the flow has one).",
+    code='''
+#: What a run that does not reproduce did.
+_PASSED = ("ran the flow and passed the suite's checks (frozen variables, layouts, every fit's numbers "
+           "against one process running the same flow, compilation)")
+
+
+def _cell(spec, distributed=True):
+    """``run_flow``; a flow that writes files writes them into a folder of this process's own."""
+    import tempfile
+
+    return run_flow(dict(spec, folder=tempfile.mkdtemp()) if "folder" in spec else spec, distributed)
+
+
+def _reference_spec(spec):
+    return dict(spec, layout={"kind": "single"}, layout_name="single", compile="nojit")
+''' + _WITH_REFERENCE + '''
+
+def _judge(evidence):
+    """The suite's own checks in the suite's order (workflow_failure, conformance/judge/workflows.py,
+    inlined above): (verdict, message) or None."""
+    values, reference = evidence
+    skips = [v["skip"] for v in values if "skip" in v]
+    if skips:
+        print(f"not run: {skips[0]}", flush=True)
+        return None
+    flow = FLOWS[SPEC["flow"]]
+    return workflow_failure(SPEC, values, reference, flow.layouts, flow.layout_phases)
+''',
+)
+
 #: What ``conftest.pytest_conformance_reproducer_families`` offers the plugin.
-FAMILIES = (TRAINING, OPS)
+FAMILIES = (TRAINING, OPS, WORKFLOWS)

@@ -31,6 +31,7 @@ CALLBACK_TIMEOUT = pytest.mark.rank_timeout(30)
 
 DEFAULT_METRICS = (("mae", "nojit", "dataparallel"), ("weighted-mae", "nojit", "dataparallel"),
                    ("max", "nojit", "dataparallel"), ("accuracy", "nojit", "colshard"),
+                   ("top2", "nojit", "colshard"), ("top2", "nojit", "rowshard"),
                    ("mae", "nojit", "batchshard"), ("max", "nojit", "batchshard"))
 DEFAULT_CALLBACKS = (("earlystopping", "dataparallel"), ("reducelronplateau", "dataparallel"),
                      ("modelcheckpoint", "dataparallel"), ("earlystopping", "batchshard"))
@@ -41,7 +42,7 @@ def metric_cells(full: bool) -> list[tuple[str, str, str]]:
     layout, plus compiled (``jit``) under DataParallel, where the nightly really compiles."""
     cells = list(DEFAULT_METRICS)
     if full:
-        cells += [(m, "nojit", layout) for m in rank_agreement.METRICS for layout in axes.LAYOUTS]
+        cells += [(m, "nojit", layout) for m in rank_agreement.METRICS for layout in axes.MATRIX_LAYOUTS]
         cells += [(m, "jit", "dataparallel") for m in rank_agreement.METRICS]
     return list(dict.fromkeys(cells))
 
@@ -49,7 +50,7 @@ def metric_cells(full: bool) -> list[tuple[str, str, str]]:
 def callback_cells(full: bool) -> list[tuple[str, str]]:
     cells = list(DEFAULT_CALLBACKS)
     if full:
-        cells += [(c, layout) for c in rank_agreement.CALLBACKS for layout in axes.LAYOUTS]
+        cells += [(c, layout) for c in rank_agreement.CALLBACKS for layout in axes.MATRIX_LAYOUTS]
     return list(dict.fromkeys(cells))
 
 

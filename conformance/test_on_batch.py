@@ -25,7 +25,7 @@ def on_batch_cells(full: bool) -> list[tuple[str, str, str]]:
     """(api, compile, layout): every API on ``axes.ON_BATCH_DEFAULT_LAYOUTS``; under ``--full`` on every
     layout, and compiled too."""
     modes = ("nojit", "jit") if full else ("nojit",)
-    layouts = axes.LAYOUTS if full else axes.ON_BATCH_DEFAULT_LAYOUTS
+    layouts = axes.MATRIX_LAYOUTS if full else axes.ON_BATCH_DEFAULT_LAYOUTS
     return [(api, mode, layout) for mode in modes for api in rank_on_batch.APIS for layout in layouts]
 
 

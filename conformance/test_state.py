@@ -34,7 +34,7 @@ DEFAULT_CHECKPOINTS = (("optimizer-roundtrip", "colshard"), ("reshard-to-rowshar
 
 
 def reconcile_params(full: bool) -> list:
-    layouts = list(axes.LAYOUTS) if full else list(DEFAULT_RECONCILE)
+    layouts = list(axes.MATRIX_LAYOUTS) if full else list(DEFAULT_RECONCILE)
     return [pytest.param(layout, id=layout, marks=[
         pytest.mark.cell(family="state reconcile", row="reconcile", column=layout, state="reconcile", layout=layout),
         *mesh_marks(layout)]) for layout in layouts]
@@ -43,7 +43,7 @@ def reconcile_params(full: bool) -> list:
 def checkpoint_cells(full: bool) -> list[tuple[str, str]]:
     cells = list(DEFAULT_CHECKPOINTS)
     if full:
-        cells += [(kind, layout) for kind in rank_state.KINDS for layout in axes.LAYOUTS
+        cells += [(kind, layout) for kind in rank_state.KINDS for layout in axes.MATRIX_LAYOUTS
                   if rank_state.KINDS[kind][1] != layout]
     return list(dict.fromkeys(cells))
 

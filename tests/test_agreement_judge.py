@@ -14,6 +14,7 @@ from keras_dtensor_conformance.rank.outcomes import HANG, OK, PoolResult, RankOu
 from keras_dtensor_conformance.verdicts import ERROR, HANG_VERDICT, NUMERICS, CellFailure
 
 from conformance.judge import agreement, judge_agreement
+from conformance.ranks import agreement as rank_agreement
 from conformance.test_agreement import callback_cells, metric_cells
 
 METRIC_SPEC = {"metric": "mae", "layout": {"kind": "data-parallel"}}
@@ -135,6 +136,6 @@ def test_judge_turns_a_hang_with_parted_decisions_into_numerics_and_a_plain_hang
 def test_default_tier_covers_dataparallel_colshard_and_batchshard_and_full_adds_more():
     layouts = {layout for *_, layout in metric_cells(False)} | {layout for _, layout in callback_cells(False)}
     assert {"dataparallel", "colshard", "batchshard"} <= layouts
-    assert {m for m, *_ in metric_cells(False)} == {"mae", "accuracy", "weighted-mae", "max"}
+    assert {m for m, *_ in metric_cells(False)} == set(rank_agreement.METRICS)
     assert len(metric_cells(True)) > len(metric_cells(False))
     assert len(callback_cells(True)) > len(callback_cells(False))

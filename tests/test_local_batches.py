@@ -42,6 +42,10 @@ def test_the_parts_make_up_each_global_batch_in_order(nproc):
     ("batchshard", 3, [(0, 3), (1, 3), (2, 3)]),  # (n, 1): rank r feeds shard r
     ("dataparallel", 4, [(0, 4), (1, 4), (2, 4), (3, 4)]),
     ("batchxmodel", 4, [(0, 2), (0, 2), (1, 2), (1, 2)]),  # 2x2: by the batch coordinate
+    # meshes named or ordered otherwise: the batch axis found by its name, not its place
+    ("colshard-modelfirst", 2, [(0, 1), (0, 1)]),  # ("model", "batch") = (n, 1)
+    ("batchshard-modelfirst", 2, [(0, 2), (1, 2)]),  # ("model", "batch") = (1, n)
+    ("colshard-data", 2, [(0, 1), (0, 1)]),  # ("data", "model") = (1, n)
 ])
 def test_batch_part_is_the_ranks_batch_coordinate(layout, nproc, parts):
     assert [rank_train.batch_part(axes.LAYOUTS[layout], r, nproc) for r in range(nproc)] == parts

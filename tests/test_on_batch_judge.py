@@ -87,7 +87,7 @@ def test_every_api_runs_on_the_default_layouts_and_under_full_on_every_layout_co
     default, full = on_batch_cells(False), on_batch_cells(True)
     assert {(api, layout) for api, _, layout in default} == {
         (a, l) for a in rank_on_batch.APIS for l in axes.ON_BATCH_DEFAULT_LAYOUTS}
-    assert {(api, layout) for api, _, layout in full} == {(a, l) for a in rank_on_batch.APIS for l in axes.LAYOUTS}
+    assert {(api, layout) for api, _, layout in full} == {(a, l) for a in rank_on_batch.APIS for l in axes.MATRIX_LAYOUTS}
     assert {mode for _, mode, _ in default} == {"nojit"} and {mode for _, mode, _ in full} == {"nojit", "jit"}
     ids = [p.id for p in on_batch_params(True)]
     assert "train_on_batch-colshard" in ids and "predict-jit-dataparallel" in ids and len(ids) == len(set(ids))

@@ -18,7 +18,9 @@ from keras_dtensor_conformance.report import clusters, reproducers
 
 from conformance import axes, reproducible
 from conformance.judge import fit_checks, numerics, op_checks
+from conformance.judge import workflows as judge_workflows
 from conformance.ranks import ops as rank_ops
+from conformance.ranks import workflows as rank_workflows
 from tests import mutants
 from tests.test_mutants import run_suite
 
@@ -180,6 +182,8 @@ def test_every_cluster_gets_a_script_or_says_why(tmp_path):
         _cell("test_fit[attention-sgd-arrays-nojit-colshard]", "fit colshard", "numerics", fit, "rank 0: step_losses"),
         _cell("test_setup[list-devices]", "setup", "error", None, "ValueError: no devices"),
         _cell("test_fit[adam-arrays-nojit-colshard]", "fit colshard", "hang", None, "hung"),  # failed in setup
+        _cell("test_workflow[fit-freeze-fit-eager-dataparallel]", "workflows", "mixed-tensor",
+              {"flow": "fit-freeze-fit", "compile": "eager", "layout": {"kind": "data-parallel"}}, "RuntimeError: N"),
     ]
     report = {"cells": cells, "clusters": clusters.clusters(cells),
               "build": {"keras_version": "3", "torch_version": "2", "backend": "gloo", "nproc": 2}}
@@ -187,12 +191,17 @@ def test_every_cluster_gets_a_script_or_says_why(tmp_path):
                                families=reproducible.FAMILIES)
     assert sorted(w["cell"] for w in result["written"]) == ["test_fit[attention-sgd-arrays-nojit-colshard]",
                                                             "test_fit[sgd-arrays-nojit-colshard]",
-                                                            "test_op[add-tensor-shard1-compiled]"]
+                                                            "test_op[add-tensor-shard1-compiled]",
+                                                            "test_workflow[fit-freeze-fit-eager-dataparallel]"]
     assert {w["verdict"]: w["why"] for w in result["without"]} == {
         "compile-timeout": "a compile still running at the timeout, not a failure: rerun with a larger --rank-timeout",
-        "error": "no training or op cell in it (family setup)",
+        "error": "no training or op or workflow cell in it (family setup)",
         "hang": "none of its cells recorded its spec (they failed before they ran)",
     }
+    workflow = (tmp_path / "fit-freeze-fit-eager-dataparallel.py").read_text()
+    assert_standalone(workflow)
+    assert inspect.getsource(rank_workflows.run_flow) in workflow
+    assert inspect.getsource(judge_workflows.workflow_failure) in workflow
     text = (tmp_path / "add-tensor-shard1-compiled.py").read_text()
     assert_standalone(text)
     # The suite's own judge and rank code, inlined, not a copy of them.

@@ -48,6 +48,14 @@ def test_two_by_two_shards_by_the_model_coordinate():
     assert got == [(8, 3), (8, 2), (8, 3), (8, 2)]
 
 
+def test_a_mesh_with_the_model_axis_first_shards_on_its_first_dimension():
+    """Placements follow the mesh's own axis order, found by name: ("model", "batch") puts the
+    kernel's split on mesh dimension 0."""
+    assert intended(axes.LAYOUTS["colshard-modelfirst"], KERNEL, (8, 16), 2, 1) == (["S(1)", "R"], (8, 8))
+    assert intended(axes.LAYOUTS["colshard-data"], KERNEL, (8, 16), 2, 1) == (["R", "S(1)"], (8, 8))
+    assert intended(axes.LAYOUTS["batchshard-modelfirst"], KERNEL, (8, 16), 2, 1) == (["S(1)", "R"], (8, 16))
+
+
 def _kernel(local_width: int) -> dict:
     return {"path": KERNEL, "type": "Parameter", "shape": (8, 16), "dtensor": True,
             "placements": ["R", "S(1)"], "local_shape": (8, local_width)}

@@ -85,11 +85,11 @@ def test_a_float32_cell_is_what_it_was_before_the_policy_axis_and_a_mixed_one_na
     assert {c[1] for c in mixed} >= {"sgd", "adam", "lossscale"}
     for policy in axes.POLICIES[1:]:  # the optimizers whose state meets the precision; --full: every layout
         assert {c[1] for c in full if c[5] == policy} >= set(axes.MIXED_OPTIMIZERS)
-        assert {c[4] for c in full if c[5] == policy} == set(axes.LAYOUTS)
+        assert {c[4] for c in full if c[5] == policy} == set(axes.MATRIX_LAYOUTS)
     lora = {(c[0], c[4]) for c in default if c[0] in axes.LORA_MODELS}
     assert lora == set(axes.LORA_DEFAULT) and {m for m, _ in lora} == set(axes.LORA_MODELS)
     assert {(c[0], c[4]) for c in full if c[0] in axes.LORA_MODELS} == {
-        (m, layout) for m in axes.LORA_MODELS for layout in axes.LAYOUTS}
+        (m, layout) for m in axes.LORA_MODELS for layout in axes.MATRIX_LAYOUTS}
 
 
 @pytest.mark.parametrize("full", [False, True], ids=["default", "full"])

@@ -25,8 +25,8 @@ from keras_dtensor_conformance import (
     fail,
 )
 
-from conformance.judge import agreement, data_sharding, fit_checks, on_batch, op_checks, oracle
-from conformance.judge.sharding import mesh_shape
+from conformance.judge import agreement, data_sharding, fit_checks, on_batch, op_checks, oracle, workflows
+from conformance.cell_data import batch_part
 
 
 def check(condition: bool, verdict: str, message: str, result) -> None:
@@ -262,14 +262,26 @@ def judge_on_batch(spec: dict, result, reference) -> None:
     raise_found(on_batch.on_batch_failure(spec, result.values, reference.values[0]), result)
 
 
+# ---------------------------------------------------------------- workflow cells
+def judge_workflow(spec: dict, result, reference, flow) -> None:
+    """A workflow cell: ran everywhere (a flow the process count cannot run skips with the reason),
+    then ``workflows.workflow_failure``'s checks against one process running the same flow;
+    ``flow`` is its ``ranks/workflows.Flow`` (which phases' layouts are judged)."""
+    ran_everywhere(result)
+    skips = [v["skip"] for v in result.values if "skip" in v]
+    if skips:
+        pytest.skip(skips[0])
+    if not reference.ok:
+        raise CellFailure(ERROR, "the single-process reference failed:\n" + reference.story(), reference)
+    raise_found(workflows.workflow_failure(spec, result.values, reference.values[0], flow.layouts,
+                                           flow.layout_phases), result)
+
+
 # ---------------------------------------------------------------- Keras-sharded data cells
 def batch_coordinates(layout: dict, nproc: int) -> dict[int, int]:
     """rank -> its coordinate on the mesh's batch axis (devices fill the mesh row-major, as in
     ``ranks/train.batch_part``): the ranks of one coordinate form one global batch."""
-    if layout["kind"] == "data-parallel":
-        return {rank: rank for rank in range(nproc)}
-    model = mesh_shape(layout, nproc)[1]
-    return {rank: rank // model for rank in range(nproc)}
+    return {rank: batch_part(layout, rank, nproc)[0] for rank in range(nproc)}
 
 
 def judge_keras_sharded(spec: dict, result, nproc: int) -> None:

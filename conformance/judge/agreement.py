@@ -19,7 +19,7 @@ import json
 import numpy as np
 from keras_dtensor_conformance import ERROR, NUMERICS
 
-from conformance.judge.numerics import TOLERANCES
+from conformance.judge.numerics import TOLERANCES, listed
 
 #: How ranks' logs must agree with each other: all-reduced or replicated values are the same
 #: computation on every rank (bit-equal in practice); this only forgives the last bit.
@@ -45,9 +45,6 @@ CALLBACKS = {
 }
 #: Every decision a callback cell records, whatever its callback: no callback may change another's.
 DECISIONS = ("stop_training", "learning_rate", "wrote_checkpoint")
-
-#: At most this many differing values listed in one message (the first ones are the cause).
-SHOWN = 8
 
 
 def _close(a, b, tolerance: dict) -> bool:
@@ -101,13 +98,6 @@ def logs_differ(what: str, values: list[dict], reference: dict) -> tuple[str, st
         return NUMERICS, listed(f"{what}: the logs differ from the single-process reference over the global batch",
                                   problems)
     return None
-
-
-def listed(head: str, problems: list[str]) -> str:
-    """``head:`` and the first ``SHOWN`` problems, a line each, then how many more."""
-    shown = problems[:SHOWN]
-    more = f"\n... and {len(problems) - SHOWN} more" if len(problems) > SHOWN else ""
-    return head + ":\n" + "\n".join(shown) + more
 
 
 def decisions_from_stdout(text: str) -> list[dict]:

@@ -43,6 +43,9 @@ TOLERANCES = {"float32": {"rtol": 1e-4, "atol": 1e-5},
 #: (``scripts/update_scale.py``; docs/measurements.md, "The update-scale check").
 SCALE_TOLERANCE = {"float32": 1e-3, "mixed_bfloat16": 4e-3, "mixed_float16": 4e-3}
 
+#: At most this many differing values listed in one message (the first ones are the cause).
+SHOWN = 8
+
 #: Values a rank reports as metrics: global (all-reduced) or the mean over its local batch.
 REPORTED = ("step_losses", "epoch_loss", "evaluate")
 
@@ -204,3 +207,10 @@ def numerics_problems(values: list[dict], reference: dict, tol: dict | None = No
         problems += weight_problems(rank, value, reference, tol, OUTLIERS[policy])
         problems += scale_problems(rank, value, reference, policy)
     return problems + ranks_agree(values)
+
+
+def listed(head: str, problems: list[str]) -> str:
+    """``head:`` and the first ``SHOWN`` problems, a line each, then how many more."""
+    shown = problems[:SHOWN]
+    more = f"\n... and {len(problems) - SHOWN} more" if len(problems) > SHOWN else ""
+    return head + ":\n" + "\n".join(shown) + more

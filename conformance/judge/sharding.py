@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-from conformance.cell_data import MESH_AXES, mesh_coordinate, mesh_shape, shard_size
+from conformance.cell_data import mesh_axes, mesh_coordinate, mesh_shape, shard_size
 
 
 def intended(layout: dict, path: str, shape: tuple, nproc: int, rank: int = 0) -> tuple[list[str], tuple] | None:
@@ -29,7 +29,7 @@ def intended(layout: dict, path: str, shape: tuple, nproc: int, rank: int = 0) -
             placements, local = ["R"] * len(mesh), list(shape)
             for dim, axis in enumerate(axes):
                 if axis is not None:
-                    mesh_dim = MESH_AXES.index(axis)
+                    mesh_dim = mesh_axes(layout).index(axis)
                     placements[mesh_dim] = f"S({dim})"
                     local[dim] = shard_size(shape[dim], mesh[mesh_dim], where[mesh_dim])
             return placements, tuple(local)

@@ -25,7 +25,8 @@ from __future__ import annotations
 import re
 
 from conformance.axes import SLOTS
-from conformance.judge.sharding import MESH_AXES, intended
+from conformance.cell_data import mesh_axes
+from conformance.judge.sharding import intended
 
 
 def muon_uses_adamw(variable: dict) -> bool:
@@ -62,7 +63,8 @@ def factored_layout(layout: dict, variable: dict, which: int, nproc: int,
         if re.fullmatch(key, variable["path"]):
             kept = kept_dims(len(variable["shape"]), which)
             shape = tuple(variable["shape"][d] for d in kept)
-            restricted = {"map": {".*": [axes[d] for d in kept]}, "mesh": layout.get("mesh", (1, "nproc"))}
+            restricted = {"map": {".*": [axes[d] for d in kept]}, "mesh": layout.get("mesh", (1, "nproc")),
+                          "axes": mesh_axes(layout)}
             return intended(restricted, "slot", shape, nproc, rank)
     return None
 
@@ -87,7 +89,7 @@ def factored_problem(layout: dict, variable: dict, slot: dict, nproc: int, rank:
     if not slot["dtensor"]:
         return None  # a plain full copy on every rank: replicated
     sharded = factored_layout(layout, variable, which, nproc, rank)
-    replicated = (["R"] * len(MESH_AXES), want_shape)
+    replicated = (["R"] * len(mesh_axes(layout)), want_shape)
     got = (slot["placements"], tuple(slot["local_shape"]))
     if got in (sharded, replicated):
         return None

@@ -27,8 +27,7 @@ import re
 import numpy as np
 from keras_dtensor_conformance import ERROR, NUMERICS, SHARDING_LOST
 
-from conformance.judge.agreement import listed
-from conformance.judge.numerics import compare, ranks_agree, reported_problems
+from conformance.judge.numerics import compare, listed, ranks_agree, reported_problems
 from conformance.judge.sharding import mesh_coordinate, mesh_shape, shard_size, sharding_problems
 
 #: The loaded optimizer state against the saved: the same numbers written and read back.

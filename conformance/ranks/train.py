@@ -20,10 +20,12 @@ from conformance.cell_data import (
     SAMPLES,
     STEPS,
     VOCAB,
+    batch_axis,
     batch_part,
     local_part,
     local_rows,
     make_arrays,
+    mesh_axes,
     policy,
 )
 from conformance.ranks.feeding import fit_inputs
@@ -148,11 +150,11 @@ def make_distribution(layout: dict, world_size: int | None = None, devices: list
         distribution = keras.distribution.DataParallel(device_mesh=mesh)
     else:
         shape = tuple(world_size if d == "nproc" else d for d in layout.get("mesh", (1, "nproc")))
-        mesh = keras.distribution.DeviceMesh(shape, ["batch", "model"], devices)
+        mesh = keras.distribution.DeviceMesh(shape, list(mesh_axes(layout)), devices)
         layout_map = keras.distribution.LayoutMap(mesh)
         for key, axes in layout["map"].items():
             layout_map[key] = tuple(axes)
-        distribution = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+        distribution = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name=batch_axis(layout))
     # Each rank feeds its own part of every global batch (see batch_part): the data is already
     # sharded across processes, which the Keras docs say to declare with auto_shard_dataset=False.
     distribution.auto_shard_dataset = False
