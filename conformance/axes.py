@@ -221,6 +221,21 @@ MESH_NAMING_CELLS = tuple(cell for layout in LAYOUTS if layout not in MATRIX_LAY
                           for cell in (("mlp", "adam", "arrays", "nojit", layout), ("mlp", "sgd", "dataloader", "eager", layout)))
 
 MODELS = ("mlp", "embedding", "attention", "batchnorm")
+#: A causal language model's transformer block, with dropout, and with its LayerNormalizations frozen
+#: (``cell_data.TRANSFORMER_MODELS``; issue 54). Trained with SGD: their attention keeps Keras' default
+#: biases, and the key bias's true gradient is zero (softmax ignores it), so Adam would turn rounding noise
+#: into whole steps of its own on each side of a comparison (the attention model leaves its biases off).
+TRANSFORMER_MODELS = cell_data.TRANSFORMER_MODELS
+#: The default tier's transformer cells (model, compile, layout; SGD, arrays), held to its budget (a cell
+#: costs about 5 s: the JAX reference compiles the block): the block and its dropout twin on split columns
+#: (a mask for activations every rank holds) and under DataParallel (each rank's own rows), frozen
+#: LayerNorms on split columns. ``--full``: every transformer model x SGD x {arrays, DataLoader} x {nojit,
+#: jit} x every layout.
+TRANSFORMER_DEFAULT = (
+    ("transformer", "nojit", "colshard"), ("transformer", "nojit", "dataparallel"),
+    ("transformer-dropout", "nojit", "colshard"), ("transformer-dropout", "nojit", "dataparallel"),
+    ("transformer-frozen-ln", "nojit", "colshard"),
+)
 #: LoRA fine-tuning (issue 27, item 2): the MLP with LoRA on both Dense layers, its LoRA kernels left
 #: to the build by the LayoutMap (``lora``) or sharded with their kernel (``lora-sharded``).
 LORA_MODELS = cell_data.LORA_MODELS
@@ -322,7 +337,8 @@ def training_cells(full: bool) -> list[tuple]:
       - the sources other than arrays and DataLoader off the column-sharded layout
         (``HAND_FED_SOURCES_OFF_COLUMN``: a covering design over DataParallel and batchshard);
       - the LoRA models on ``LORA_DEFAULT``'s layouts and the mixed cells of ``MIXED_DEFAULT``;
-      - ``MESH_NAMING_CELLS`` on the meshes named or ordered otherwise (the products take ``MATRIX_LAYOUTS``).
+      - ``MESH_NAMING_CELLS`` on the meshes named or ordered otherwise (the products take ``MATRIX_LAYOUTS``);
+      - the transformer block's ``TRANSFORMER_DEFAULT``.
     ``--full`` adds every optimizer x data source, and models x optimizers x compile modes.
     """
     cells = []
@@ -336,6 +352,7 @@ def training_cells(full: bool) -> list[tuple]:
     cells += [(model, "adam", "arrays", "nojit", layout, POLICIES[0]) for model, layout in LORA_DEFAULT]  # issue 27
     cells += [("mlp", optimizer, "arrays", "nojit", layout, policy) for policy, optimizer, layout in MIXED_DEFAULT]
     cells += [(*cell, POLICIES[0]) for cell in MESH_NAMING_CELLS]  # issue 54
+    cells += [(model, "sgd", "arrays", mode, layout, POLICIES[0]) for model, mode, layout in TRANSFORMER_DEFAULT]
     mixed = POLICIES[1:]
     if full:
         cells += _product(LORA_MODELS, ["adam"], ["arrays"], ["nojit"], MATRIX_LAYOUTS)
@@ -350,6 +367,7 @@ def training_cells(full: bool) -> list[tuple]:
         cells += _product(MODELS, ["adam"], DATA_SOURCES, COMPILE_MODES, MATRIX_LAYOUTS)
         cells += _product(["mlp"], ["sgd", "adam"], ["arrays", "dataloader"], COMPILE_MODES,
                           [layout for layout in LAYOUTS if layout not in MATRIX_LAYOUTS])
+        cells += _product(TRANSFORMER_MODELS, ["sgd"], ["arrays", "dataloader"], ["nojit", "jit"], MATRIX_LAYOUTS)
     # Dict inputs build the two-input MLP whatever the row's model (ranks/train.model_name): another
     # model's dict cell would run the MLP's cell again under the other model's name.
     cells = [cell for cell in cells if cell[2] != "dict" or cell[0] == "mlp"]

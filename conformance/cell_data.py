@@ -24,6 +24,16 @@ MESH_AXES = ("batch", "model")
 #: (``axes.lora_layout``), ``lora``'s leaves them to the build.
 LORA_MODELS = ("lora", "lora-sharded")
 LORA_RANK = 2
+#: A causal language model's transformer block as users write one (``ranks/train.build_model``): token and
+#: position embeddings (``VOCAB`` and ``SEQUENCE`` rows), MultiHeadAttention with Keras' defaults (biases on),
+#: a residual, LayerNormalization, a feed-forward block, next-token logits. ``transformer-dropout`` adds
+#: dropout (unseeded, as users write it: attention probabilities and both residual branches) and is judged
+#: by the ranks' agreement, its dropout-free twin ``transformer`` by numbers; ``transformer-frozen-ln``
+#: freezes the LayerNormalizations.
+TRANSFORMER_MODELS = ("transformer", "transformer-dropout", "transformer-frozen-ln")
+DROPOUT_MODELS = ("transformer-dropout",)
+DROPOUT = 0.1
+SEQUENCE = 6
 #: The dtype policies a training cell can run under (``keras.config.set_dtype_policy``): the first is
 #: every cell's unless it names another; the mixed ones compute in 16 bits and keep float32 variables
 #: (``mixed_float16`` with the loss scaling Keras' ``compile`` wraps the optimizer in).
@@ -70,7 +80,10 @@ def make_arrays(model: str, seed: int = 0) -> tuple[dict | np.ndarray, np.ndarra
     rng = np.random.default_rng(seed)
     y = rng.standard_normal((SAMPLES, 4)).astype("float32")
     weights = rng.uniform(0.5, 1.5, (SAMPLES,)).astype("float32")
-    if model == "embedding":
+    if model in TRANSFORMER_MODELS:  # tokens, and the next token at each position as the label
+        x = rng.integers(0, VOCAB, (SAMPLES, SEQUENCE)).astype("int32")
+        y = np.concatenate([x[:, 1:], rng.integers(0, VOCAB, (SAMPLES, 1))], axis=1).astype("int32")
+    elif model == "embedding":
         x = rng.integers(0, VOCAB, (SAMPLES, 6)).astype("int32")
     elif model == "attention":
         x = rng.standard_normal((SAMPLES, 6, 8)).astype("float32")

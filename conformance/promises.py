@@ -33,7 +33,7 @@ from keras_dtensor_conformance import (
 )
 
 from conformance import axes
-from conformance.cell_data import batch_axis, mesh_axes
+from conformance.cell_data import DROPOUT_MODELS, batch_axis, mesh_axes
 from conformance.judge import fit_checks
 from conformance.judge.op_checks import OP_COMPILED, OP_PLACEMENTS, OP_VALUE
 
@@ -167,6 +167,11 @@ def state(cell: dict, kind: str) -> bool:
     return family(cell) == "state" and cell["axes"].get("state") == kind
 
 
+def draws_dropout(cell: dict) -> bool:
+    """A training cell whose model draws dropout masks (``cell_data.DROPOUT_MODELS``)."""
+    return fit(cell) and cell["axes"].get("model") in DROPOUT_MODELS
+
+
 def workflow(cell: dict) -> bool:
     """A cell that runs a flow of several fits as users do (``test_workflows.py``)."""
     return family(cell) == "workflows"
@@ -239,7 +244,14 @@ PROMISES = (
                   "against the NumPy oracle in its scope, element-wise and by the scale of each rank's update "
                   "(a factor 1 % off fails under every dtype policy); not judged where the reference does not "
                   "define the numbers (BatchNormalization's local statistics under DataParallel: skipped) or "
-                  "failed to run (counted)"),
+                  "failed to run (counted); not applicable on a model with dropout (dropout-masks-agree)"),
+    # issue 54, item 3: a model with dropout (the transformer block's), which no single process can judge.
+    Promise("dropout-masks-agree", "ranks that hold the same rows draw the same dropout masks",
+            tests=draws_dropout, breaks=lambda cell: draws_dropout(cell) and cell["verdict"] == NUMERICS,
+            kept_despite=fit_checked_before(COMPILE_FALLBACK), checks=(fit_checks.DROPOUT_MASKS,),
+            scope="on a model with dropout, the losses, evaluate and predictions of ranks that fed the same rows "
+                  "against each other, and every rank's weights against rank 0's; its dropout-free twin is held "
+                  "to single-process-numbers"),
     # issue 27, item 2: what fine-tuning with LoRA relies on (the lora models of test_fit.py).
     Promise("frozen-stays-frozen", "variables a model freezes (LoRA's base kernels) stay exactly as they were",
             tests=fit, breaks=frozen_changed, checks=(fit_checks.FROZEN_UNCHANGED,),

@@ -1487,3 +1487,49 @@ TOP_K_CASES = (
     ),
 )
 CASES = (*CASES, *TOP_K_CASES)
+
+
+# [dropout] issue 54, item 3: the transformer block with dropout (conformance/cell_data.TRANSFORMER_MODELS).
+TRANSFORMER_TIER = (*_fit_ids(*(f"{model}-sgd-arrays-nojit-{layout}" for model in ("transformer", "transformer-dropout")
+                                for layout in ("colshard", "dataparallel"))),
+                    *_fit_ids("transformer-frozen-ln-sgd-arrays-nojit-colshard", "adam-arrays-nojit-colshard"))
+_UNSEEDED_DROPOUT = "    # Fast path, unseeded (since torch doesn't support seeding dropout!!!!)\n"
+#: The nightly's dropout of a Partial DTensor (in-place bernoulli_, no strategy) mended: the partial sums
+#: reduced first. A correct rewrite by itself, and the base of the mutant that draws masks per rank.
+_PARTIAL_REDUCED = Patch(TORCH + "random.py", _UNSEEDED_DROPOUT,
+                         "    if type(inputs).__name__ == \"DTensor\" and any(p.is_partial() for p in inputs.placements):\n"
+                         "        from torch.distributed.tensor import Replicate  # rewrite: partial sums reduced first\n"
+                         "        inputs = inputs.redistribute(\n"
+                         "            inputs.device_mesh, [Replicate() if p.is_partial() else p for p in inputs.placements])\n"
+                         + _UNSEEDED_DROPOUT)
+DROPOUT_CASES = (
+    Case(
+        Mutant("dropout-partial-reduced-first",
+               "a correct rewrite, not a bug: dropout of a Partial DTensor reduces the partial sums, then draws "
+               "its mask through DTensor's own random stream", (_PARTIAL_REDUCED,)),
+        {},
+        tier=TRANSFORMER_TIER,
+    ),
+    Case(
+        Mutant(
+            "dropout-mask-per-rank",
+            "(on the rewrite above) dropout of a DTensor draws each rank's mask for its local values from a "
+            "generator of the rank's own: ranks that hold the same activations drop different units",
+            (_PARTIAL_REDUCED,
+             Patch(TORCH + "random.py", _UNSEEDED_DROPOUT,
+                   "    if type(inputs).__name__ == \"DTensor\":  # mutant: each rank's own mask\n"
+                   "        from torch.distributed.tensor import DTensor\n"
+                   "        generator = torch.Generator().manual_seed(\n"
+                   "            torch.distributed.get_rank() + 1000 * int(torch.randint(1 << 20, ())))\n"
+                   "        local = inputs.to_local()\n"
+                   "        keep = torch.rand(local.shape, generator=generator) >= rate\n"
+                   "        return DTensor.from_local(torch.where(keep, local / (1 - rate), torch.zeros_like(local)),\n"
+                   "                                  inputs.device_mesh, inputs.placements, run_check=False)\n"
+                   + _UNSEEDED_DROPOUT)),
+        ),
+        {"test_fit[transformer-dropout-sgd-arrays-nojit-colshard]": "numerics"},
+        tier=TRANSFORMER_TIER,
+    ),
+)
+CASES = (*CASES, *DROPOUT_CASES)
+UNMUTATED_FAILS = {**UNMUTATED_FAILS, "test_fit[transformer-dropout-sgd-arrays-nojit-colshard]": "error"}

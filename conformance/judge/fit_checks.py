@@ -31,11 +31,11 @@ from keras_dtensor_conformance import (
     SHARDING_LOST,
 )
 
-from conformance.cell_data import policy
+from conformance.cell_data import DROPOUT_MODELS, policy
 from conformance.judge.communication import over_budget, sharded_variables
 from conformance.judge.compile_evidence import compile_problems
 from conformance.judge.jax_compare import BOTH_SHARE, JAX_IS_WRONG, layout_departures, numbers_differ_from_jax
-from conformance.judge.numerics import numerics_problems
+from conformance.judge.numerics import numerics_problems, same_rows_problems
 from conformance.judge.sharding import laid_out, sharding_problems
 from conformance.judge.slots import slot_problems
 
@@ -191,6 +191,24 @@ def numbers_differ(spec: dict, values: list[dict], reference: dict) -> tuple[str
             + "\n".join(problems)) if problems else None
 
 
+def dropout_scope(spec: dict) -> str | None:
+    """Why the ranks' numbers are held to a single process's (None), or why not: a model with dropout
+    draws its masks from a random stream no single process shares (``masks_differ`` judges it)."""
+    if spec["model"] in DROPOUT_MODELS:
+        return ("the model draws dropout masks a single process does not share: judged by the ranks' agreement "
+                "(dropout-masks-agree), its dropout-free twin by numbers")
+    return None
+
+
+def masks_differ(spec: dict, values: list[dict]) -> tuple[str, str] | None:
+    """A model with dropout: ranks that fed the same rows report the same numbers and every rank holds
+    the same weights (``numerics.same_rows_problems``): a mask one rank draws alone for a tensor the
+    others hold too makes its numbers its own."""
+    problems = same_rows_problems(values)
+    return (NUMERICS, "the ranks' dropout masks differ (ranks that hold the same rows disagree): "
+            + "\n".join(problems)) if problems else None
+
+
 def differs_from_jax(spec: dict, values: list[dict], jax: dict | None) -> tuple[str, str] | None:
     """The ranks (which the single-process torch reference has just passed) against the same build's
     JAX backend (``jax_compare``), as ``(NUMERICS, what differs)``: which backend is wrong is for
@@ -244,12 +262,13 @@ SLOT_LAYOUTS = "slot-layouts"
 FROZEN_UNCHANGED = "frozen-unchanged"
 STEP_COMMUNICATION = "step-communication"
 SINGLE_PROCESS_NUMBERS = "single-process-numbers"
+DROPOUT_MASKS = "dropout-masks-agree"
 JAX_NUMBERS = "jax-numbers"
 JAX_LAYOUTS = "jax-layouts"
 ORACLE_NUMBERS = "oracle-numbers"
 COMPILED = "compiled"
 CHECKS = (FROZEN_UNCHANGED, VARIABLE_LAYOUTS, SLOT_LAYOUTS, STEP_COMMUNICATION, SINGLE_PROCESS_NUMBERS,
-          JAX_NUMBERS, JAX_LAYOUTS, ORACLE_NUMBERS, COMPILED)
+          DROPOUT_MASKS, JAX_NUMBERS, JAX_LAYOUTS, ORACLE_NUMBERS, COMPILED)
 
 #: The oracle a reproducer has: none (the suite's judge passes its own).
 NO_ORACLE = (NOT_APPLICABLE, "the NumPy oracle is not run here")
@@ -268,7 +287,8 @@ def fit_checks(spec: dict, values: list[dict], nproc: int, reference: dict | Non
     of a step (``communication.over_budget``: no full-size copy of a variable the sharding check has
     just held to its layout); the reference itself (that it ran, ``reference`` None being
     ``NO_REFERENCE``, and on the ranks' device); whether its numbers are comparable (else
-    ``(NOT_COMPARABLE, why)``); the numbers against single-process torch (a distribution bug: with
+    ``(NOT_COMPARABLE, why)``); the numbers against single-process torch, or for a model with dropout the
+    ranks' agreement with each other (``masks_differ``; a distribution bug either way: with
     several batch shards, a process's input that does not make the global batch fails here too);
     then against ``jax``, the same build's JAX backend, when one ran (its numbers, and its layouts
     against the LayoutMap: ``jax_layouts_differ``), with ``oracle`` (the suite's
@@ -316,9 +336,17 @@ def fit_checks(spec: dict, values: list[dict], nproc: int, reference: dict | Non
     if why is not None:
         return finish(why, STEP_COMMUNICATION,
                       f"the numbers cannot be compared with the single process's: {why[1].splitlines()[0]}")
-    found = record(SINGLE_PROCESS_NUMBERS, numbers_differ(spec, values, reference))
-    if found is not None:
-        return finish(found, SINGLE_PROCESS_NUMBERS)
+    dropout = dropout_scope(spec)
+    if dropout is None:
+        outcomes[DROPOUT_MASKS] = (NOT_APPLICABLE, "the model draws no dropout mask")
+        found = record(SINGLE_PROCESS_NUMBERS, numbers_differ(spec, values, reference))
+        if found is not None:
+            return finish(found, SINGLE_PROCESS_NUMBERS)
+    else:
+        outcomes[SINGLE_PROCESS_NUMBERS] = (NOT_APPLICABLE, dropout)
+        found = record(DROPOUT_MASKS, masks_differ(spec, values))
+        if found is not None:
+            return finish(found, DROPOUT_MASKS)
     jax_found = record(JAX_NUMBERS, differs_from_jax(spec, values, jax),
                        None if jax is not None else "the JAX backend did not run")
     layouts_found = record(JAX_LAYOUTS, jax_layouts_differ(spec, values, nproc, jax),

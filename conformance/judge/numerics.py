@@ -193,6 +193,23 @@ def ranks_agree(values: list[dict]) -> list[str]:
             if not np.array_equal(value["weights"].get(path), weight)]
 
 
+def same_rows_problems(values: list[dict]) -> list[str]:
+    """Ranks that fed the same rows report the same losses, evaluate and predictions, and every rank
+    holds rank 0's weights: what a model with dropout can be held to, where no single process draws
+    the ranks' masks. A mask drawn once for a tensor every rank holds whole, or its slice on each rank
+    of a sharded one, gives ranks of one batch shard the same numbers; a mask each rank draws for its
+    own copy does not. Ranks of different batch shards draw for different rows: only their weights,
+    synchronised, must agree."""
+    problems = []
+    for ranks in batch_groups(values).values():
+        first = values[ranks[0]]
+        for rank in ranks[1:]:
+            for key in (*REPORTED, "predict"):
+                if problem := compare(key, values[rank][key], first[key]):
+                    problems.append(f"ranks {ranks[0]} and {rank} fed the same rows: {problem.replace('reference', f'rank {ranks[0]}')}")
+    return problems + ranks_agree(values)
+
+
 def numerics_problems(values: list[dict], reference: dict, tol: dict | None = None,
                       policy: str = "float32") -> list[str]:
     """Every rank against the single-process reference (element-wise, and its update's scale), and the

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from conformance.cell_data import DROPOUT_MODELS
 from conformance.ranks import train as rank_train
 
 #: The persistent compilation cache's events (``jax.monitoring``) this process saw: ``hits`` (an XLA
@@ -84,13 +85,16 @@ def train(spec: dict, initial_weights: dict, nproc: int, jit: bool = False, fit:
         keras.distribution.set_distribution(rank_train.make_distribution(layout, nproc, devices))
     rank_train.set_policy(spec)
     model_name = rank_train.model_name(spec)
+    if model_name in DROPOUT_MODELS:
+        raise NotComparable("dropout: each backend draws its masks from its own random stream")
     model = rank_train.build_model(model_name)
     paths = [v.path for v in model.weights]
     if sorted(paths) != sorted(initial_weights):
         raise NotComparable(f"the JAX model's variables {paths} are not the ranks' {sorted(initial_weights)}")
     for variable in model.weights:
         variable.assign(initial_weights[variable.path])
-    model.compile(optimizer=rank_train.build_optimizer(spec["optimizer"]), loss="mse", jit_compile=jit)
+    model.compile(optimizer=rank_train.build_optimizer(spec["optimizer"]), loss=rank_train.loss_for(model_name),
+                  jit_compile=jit)
     if not fit:
         model.optimizer.build(model.trainable_variables)
         return layouts(model)

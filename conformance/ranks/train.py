@@ -16,8 +16,11 @@ from keras_dtensor_conformance import rank_context
 from conformance.cell_data import (
     BATCH,
     LORA_MODELS,
+    DROPOUT,
     LORA_RANK,
     SAMPLES,
+    SEQUENCE,
+    TRANSFORMER_MODELS,
     STEPS,
     VOCAB,
     batch_axis,
@@ -34,7 +37,7 @@ from conformance.ranks.step_communication import measure_step_communication
 #: Read from here by the other rank modules and the tests (``rank_train.BATCH``): the cell's data
 #: (``conformance.cell_data``), its feeding and the step's communication, besides ``train``.
 __all__ = ["BATCH", "SAMPLES", "STEPS", "VOCAB", "batch_part", "build_model", "build_optimizer", "describe_variable",
-           "fit_inputs", "frozen_paths", "local_part", "local_rows", "make_arrays", "make_distribution",
+           "fit_inputs", "frozen_paths", "local_part", "loss_for", "local_rows", "make_arrays", "make_distribution",
            "measure_step_communication", "model_name", "set_policy", "train"]
 
 
@@ -65,8 +68,53 @@ def model_name(spec: dict) -> str:
 
 
 def frozen_paths(model) -> list[str]:
-    """The kernels LoRA froze: what training must leave exactly as it was."""
-    return [layer._kernel.path for layer in model._flatten_layers() if getattr(layer, "lora_enabled", False)]
+    """The kernels LoRA froze and the variables of layers made untrainable: what training must leave
+    exactly as it was."""
+    lora = [layer._kernel.path for layer in model._flatten_layers() if getattr(layer, "lora_enabled", False)]
+    frozen = [v.path for layer in model._flatten_layers(include_self=False) if not layer.trainable
+              for v in layer.weights]
+    return list(dict.fromkeys(lora + frozen))
+
+
+def loss_for(name: str):
+    """The loss a model trains with: next-token cross-entropy for the language models, else MSE."""
+    import keras
+
+    if name in TRANSFORMER_MODELS:
+        return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    return "mse"
+
+
+def _transformer(name: str):
+    """A causal language model's transformer block (``cell_data.TRANSFORMER_MODELS``)."""
+    import keras
+
+    rate = DROPOUT if name == "transformer-dropout" else 0.0
+
+    class TokenAndPosition(keras.layers.Layer):
+        """Token embeddings plus learned position embeddings (Keras' transformer examples' layer)."""
+
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.token = keras.layers.Embedding(VOCAB, 8, name="token_embedding")
+            self.position = keras.layers.Embedding(SEQUENCE, 8, name="position_embedding")
+
+        def call(self, tokens):
+            return self.token(tokens) + self.position(keras.ops.arange(keras.ops.shape(tokens)[-1]))
+
+    tokens = keras.Input((SEQUENCE,), dtype="int32")
+    h = TokenAndPosition(name="embed")(tokens)
+    a = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4, dropout=rate, name="attention")(
+        h, h, use_causal_mask=True)
+    h = keras.layers.LayerNormalization(name="ln_attention")(h + keras.layers.Dropout(rate)(a))
+    f = keras.layers.Dense(16, activation="relu", name="dense_ff1")(h)
+    f = keras.layers.Dense(8, name="dense_ff2")(f)
+    h = keras.layers.LayerNormalization(name="ln_ff")(h + keras.layers.Dropout(rate)(f))
+    model = keras.Model(tokens, keras.layers.Dense(VOCAB, name="dense_logits")(h), name="lm")
+    if name == "transformer-frozen-ln":
+        for layer in ("ln_attention", "ln_ff"):
+            model.get_layer(layer).trainable = False
+    return model
 
 
 def set_policy(spec: dict) -> None:
@@ -109,6 +157,8 @@ def build_model(name: str):
         h = keras.layers.LayerNormalization()(h + inputs)
         h = keras.layers.GlobalAveragePooling1D()(h)
         return keras.Model(inputs, keras.layers.Dense(4, name="dense_b")(h), name="attn")
+    if name in TRANSFORMER_MODELS:
+        return _transformer(name)
     if name == "twoinput":
         a, b = keras.Input((4,), name="a"), keras.Input((4,), name="b")
         h = keras.layers.Dense(16, activation="relu", name="dense_a")(keras.layers.Concatenate()([a, b]))
@@ -289,7 +339,7 @@ def train(spec: dict, distributed: bool = True) -> dict:
     compile_kwargs = {"run_eagerly": compile_mode == "eager",
                       "jit_compile": compile_mode == "jit" and distributed,
                       "steps_per_execution": 4 if compile_mode == "spe4" else 1}
-    model.compile(optimizer=build_optimizer(spec["optimizer"]), loss="mse", **compile_kwargs)
+    model.compile(optimizer=build_optimizer(spec["optimizer"]), loss=loss_for(name), **compile_kwargs)
     part = _batch_part_here(spec["layout"], distributed)
     rows, local_batch = local_rows(*part), BATCH // part[1]
     x, y, w = (local_part(a, rows) for a in make_arrays(name, seed=spec.get("seed", 0)))
