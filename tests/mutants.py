@@ -1303,7 +1303,7 @@ _DDP_BUILT_ONCE = {"test_workflow[freeze-fit-unfreeze-fit-eager-dataparallel]": 
                    "test_workflow[fit-lora-fit-eager-dataparallel]": "error",
                    "test_workflow[model-untrainable-fit-eager-dataparallel]": "error"}
 _WORKFLOW_CELLS = tuple(f"{flow}-eager-{layout}" for flow in (
-    "freeze-fit-unfreeze-fit", "fit-freeze-fit", "fit-lora-fit", "model-untrainable-fit", "fit-new-batch-size",
+    "freeze-fit-unfreeze-fit", "fit-freeze-fit", "fit-lora-fit", "model-untrainable-fit",
     "built-before-distribution", "load-keras-fit", "load-weights-fit") for layout in ("colshard", "dataparallel"))
 #: The default tier's eager workflow cells of the between-fits and loading flows on the model-parallel
 #: layouts and the DataParallel ones the nightly passes, and a training cell the workflow mutants must not reach.
@@ -1533,3 +1533,35 @@ DROPOUT_CASES = (
 )
 CASES = (*CASES, *DROPOUT_CASES)
 UNMUTATED_FAILS = {**UNMUTATED_FAILS, "test_fit[transformer-dropout-sgd-arrays-nojit-colshard]": "error"}
+
+
+# [initialize] issue 54, item 4: keras.distribution.initialize() making the group from torchrun's variables.
+INITIALIZE_TIER = (*_workflow_ids("initialize-from-torchrun-eager-dataparallel", "initialize-from-torchrun-eager-colshard",
+                                  "fit-recompile-fit-eager-dataparallel"),
+                   "conformance/test_setup.py::test_setup[initialize]")
+_INIT_GROUP = ("        torch.distributed.init_process_group(\n"
+               "            backend=backend, rank=rank, world_size=world_size\n"
+               "        )\n")
+INITIALIZE_CASES = (
+    Case(
+        Mutant(
+            "initialize-leaves-no-group",
+            "keras.distribution.initialize() on torch sets nothing up: the group is made later, by the first "
+            "DeviceMesh (torch's env:// default), so a script that asks for its rank after initialize() fails",
+            (Patch(TORCH + "distribution_lib.py", _INIT_GROUP, "        pass  # mutant: the group left to the first mesh\n"),),
+        ),
+        {"test_workflow[initialize-from-torchrun-eager-dataparallel]": "error",
+         "test_workflow[initialize-from-torchrun-eager-colshard]": "error"},
+        tier=INITIALIZE_TIER,
+    ),
+    # A correct build written differently: the group made from torchrun's variables by torch's env:// default.
+    Case(
+        Mutant("initialize-env-defaults",
+               "a correct rewrite, not a bug: initialize() leaves rank and world size to torch's env:// default",
+               (Patch(TORCH + "distribution_lib.py", _INIT_GROUP,
+                      "        torch.distributed.init_process_group(backend=backend)  # rewrite: env://\n"),)),
+        {},
+        tier=INITIALIZE_TIER,
+    ),
+)
+CASES = (*CASES, *INITIALIZE_CASES)

@@ -24,6 +24,7 @@ CHECKS = {
     "reference_elsewhere": (ERROR, "reference on cpu, ranks on cuda"),
     "local_batch_statistics": "local batch statistics",
     "numbers_differ": (NUMERICS, "loss differs"),
+    "masks_differ": (NUMERICS, "ranks' dropout masks differ"),
     "differs_from_jax": (NUMERICS, "weights differ from JAX"),
     "jax_layouts_differ": (JAX_BACKEND_DIFFERS, "the JAX backend shards the bias"),
     "not_compiled": (COMPILE_FALLBACK, "graph break"),
@@ -74,7 +75,20 @@ def test_every_check_runs_in_order_when_all_pass(checks):
                              "numbers_differ", "differs_from_jax", "jax_layouts_differ", "oracle",
                              "not_compiled"]
     assert list(outcomes) == list(fit_checks.CHECKS)
+    # the MLP draws no dropout mask: its numbers are the single process's
+    assert outcomes.pop(fit_checks.DROPOUT_MASKS) == (NOT_APPLICABLE, "the model draws no dropout mask")
     assert {outcome for outcome, _ in outcomes.values()} == {HELD}
+
+
+def test_a_dropout_models_numbers_are_held_to_each_other_not_to_the_single_process(checks):
+    dropout = axes.cell_spec("transformer-dropout", "sgd", "arrays", "jit", "colshard")
+    found, outcomes = fit_checks.fit_checks(dropout, [{}], 1, {}, oracle=_oracle(checks), jax={})
+    assert found is None and "numbers_differ" not in checks.called
+    assert checks.called.index("masks_differ") == checks.called.index("local_batch_statistics") + 1
+    assert outcomes[fit_checks.SINGLE_PROCESS_NUMBERS][0] == NOT_APPLICABLE
+    assert outcomes[fit_checks.DROPOUT_MASKS] == (HELD, "")
+    checks.failing = {"masks_differ", "not_compiled"}
+    assert fit_checks.fit_failure(dropout, [{}], 1, {}) == CHECKS["masks_differ"]
 
 
 @pytest.mark.parametrize("failing, found", [

@@ -17,7 +17,15 @@ from conformance import axes
 from conformance.judge.sharding import intended
 from conformance.judge.workflows import workflow_failure
 from conformance.ranks import workflows as rank_workflows
-from conformance.test_workflows import DEFAULT, LAYOUTS, MODES, second_layout, workflow_cells, workflow_params
+from conformance.test_workflows import (
+    DEFAULT,
+    LAYOUTS,
+    MODEL_PARALLEL_DEFAULT,
+    MODES,
+    second_layout,
+    workflow_cells,
+    workflow_params,
+)
 
 NPROC = 2
 SHAPES = {"mlp/dense_a/kernel": (8, 16), "mlp/dense_a/bias": (16,), "mlp/dense_b/kernel": (16, 4),
@@ -125,6 +133,28 @@ def test_a_jit_cell_that_compiled_nothing_is_compile_fallback_after_its_numbers_
     assert verdict == COMPILE_FALLBACK and "is not supported" in message
 
 
+def _group(**fields) -> dict:
+    group = {"before": False, "after": True, "rank": 0, "world_size": 2, "backend": "gloo",
+             "environment": {"RANK": "0", "WORLD_SIZE": "2"}, "devices": ["cpu:0", "cpu:1"]}
+    return {**group, **fields}
+
+
+def test_initialize_that_made_the_group_torchrun_describes_passes_and_one_that_made_none_is_an_error():
+    ranks = [evidence(rank=r, group=_group(rank=r, environment={"RANK": str(r), "WORLD_SIZE": "2"})) for r in (0, 1)]
+    assert judged(ranks) is None
+    ranks[1]["group"] = _group(after=False, rank=None, world_size=None, environment={"RANK": "1", "WORLD_SIZE": "2"})
+    verdict, message = judged(ranks)
+    assert verdict == ERROR and "rank 1: no process group after initialize() (RANK=1, WORLD_SIZE=2)" in message
+
+
+def test_initialize_whose_group_is_not_the_environments_is_an_error():
+    ranks = [evidence(rank=r, group=_group(rank=0, world_size=1, devices=["cpu:0"],
+                                           environment={"RANK": str(r), "WORLD_SIZE": "2"})) for r in (0, 1)]
+    verdict, message = judged(ranks)
+    assert verdict == ERROR
+    assert "rank 1: initialize() made a group of rank 0 of 1, torchrun's variables say 1 of 2" in message
+
+
 def test_every_flow_is_in_the_full_tier_on_every_layout_and_mode_with_ids_that_say_the_cell():
     cells = workflow_cells(full=True)
     assert len(cells) == len(set(cells)) == len(rank_workflows.FLOWS) * len(LAYOUTS) * len(MODES)
@@ -132,6 +162,7 @@ def test_every_flow_is_in_the_full_tier_on_every_layout_and_mode_with_ids_that_s
     assert "freeze-fit-unfreeze-fit-eager-dataparallel" in ids and "load-keras-fit-jit-rowshard" in ids
     assert set(DEFAULT) <= set(cells) and set(workflow_cells(full=False)) == set(DEFAULT)
     assert {flow for flow, _, _ in DEFAULT} == set(rank_workflows.FLOWS)
+    assert set(MODEL_PARALLEL_DEFAULT) <= set(rank_workflows.FLOWS)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

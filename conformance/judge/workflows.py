@@ -5,6 +5,8 @@ judge's part (``judge.judge_workflow``). ``values`` are what ``conformance.ranks
 returns on each rank, in rank order; ``reference`` what it returns in one process on the global
 batches. ``workflow_failure`` runs the checks in their order:
 
+0. where the flow called ``keras.distribution.initialize()`` in processes started as torchrun starts a
+   script (no group), that it made the group torchrun's variables describe (``error``);
 1. every variable frozen during a fit is bit-equal after it to its value before, on every rank
    (``numerics``: it trained though frozen, which the numbers below would only show as a difference);
 2. the layouts: after every fit whose flow lays its variables out (``FLOWS[...].layouts``), every
@@ -29,6 +31,29 @@ from conformance.judge.sharding import sharding_problems
 
 def _phase(value: dict, index: int) -> dict:
     return value["phases"][index]
+
+
+def group_problems(values: list[dict]) -> list[str]:
+    """Where a flow called ``keras.distribution.initialize()`` in processes started with no group
+    (``group`` in the evidence): it made the group torchrun's variables describe, and
+    ``list_devices()`` then names a device per process."""
+    problems = []
+    for rank, value in enumerate(values):
+        group = value.get("group")
+        if not group:
+            continue
+        env = group["environment"]
+        if group["before"]:
+            problems.append(f"rank {rank}: a process group existed before initialize() (the harness' error)")
+        elif not group["after"]:
+            problems.append(f"rank {rank}: no process group after initialize() (RANK={env['RANK']}, "
+                            f"WORLD_SIZE={env['WORLD_SIZE']})")
+        elif (str(group["rank"]), str(group["world_size"])) != (env["RANK"], env["WORLD_SIZE"]):
+            problems.append(f"rank {rank}: initialize() made a group of rank {group['rank']} of "
+                            f"{group['world_size']}, torchrun's variables say {env['RANK']} of {env['WORLD_SIZE']}")
+        if group["after"] and len(group["devices"]) != group["world_size"]:
+            problems.append(f"rank {rank}: list_devices() names {group['devices']} for {group['world_size']} processes")
+    return problems
 
 
 def frozen_problems(values: list[dict]) -> list[str]:
@@ -102,6 +127,10 @@ def workflow_failure(spec: dict, values: list[dict], reference: dict, layouts: b
                      layout_phases: tuple | None = None) -> tuple[str, str] | None:
     """The first check a workflow cell fails, as ``(verdict, message)``, or None (the order is the
     module's docstring). ``layouts`` and ``layout_phases``: the flow's (``ranks/workflows.Flow``)."""
+    problems = group_problems(values)
+    if problems:
+        return ERROR, listed("keras.distribution.initialize() did not set up the group torchrun's variables describe",
+                             problems)
     problems = frozen_problems(values)
     if problems:
         return NUMERICS, listed("a variable frozen during a fit changed", problems)

@@ -86,6 +86,11 @@ class Run:
     initial: dict = dataclasses.field(default_factory=dict)
     device: str = ""
     units: int = OUTPUTS
+    #: Started as torchrun starts a user's script (``controller/bare_group.py``): no rank context, and
+    #: the distribution over the devices ``keras.distribution.list_devices()`` names.
+    bare: bool = False
+    #: What ``keras.distribution.initialize()`` left, where a flow called it (``initialize_then_fit``).
+    group: dict = dataclasses.field(default_factory=dict)
 
     # ---------------------------------------------------------------- set-up
     def distribute(self, layout: dict | None = None) -> dict:
@@ -94,7 +99,9 @@ class Run:
 
         layout = self.layout if layout is None else layout
         if self.distributed and layout["kind"] != "single":
-            keras.distribution.set_distribution(make_distribution(layout))
+            world = self._rank_and_world()[1]
+            devices = keras.distribution.list_devices() if self.bare else None
+            keras.distribution.set_distribution(make_distribution(layout, world if self.bare else None, devices))
         else:
             keras.distribution.set_distribution(None)
         return layout
@@ -162,6 +169,8 @@ class Run:
                             "variables": [describe_variable(v) for v in model.weights]})
 
     def _rank_and_world(self) -> tuple[int, int]:
+        if self.bare:  # torchrun's variables, as a user's script reads them
+            return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         ctx = rank_context.current()
         return ctx.rank, ctx.world_size
 
@@ -334,6 +343,28 @@ def remat_fit(run: Run, spec: dict) -> None:
         run.fit(model, "rematerialised")
 
 
+def initialize_then_fit(run: Run, spec: dict) -> None:
+    """A user's script under torchrun: no process group until ``keras.distribution.initialize()``
+    makes it from torchrun's variables; then a distribution over ``list_devices()``, build, fit."""
+    import keras
+
+    if run.distributed:
+        import torch.distributed as dist
+
+        before = dist.is_initialized()
+        keras.distribution.initialize()
+        after = dist.is_initialized()
+        run.group = {"before": before, "after": after, "rank": dist.get_rank() if after else None,
+                     "world_size": dist.get_world_size() if after else None,
+                     "backend": str(dist.get_backend()) if after else None,
+                     "environment": {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")},
+                     "devices": list(keras.distribution.list_devices())}
+    run.distribute()
+    model = run.build()
+    run.compile(model)
+    run.fit(model, "after initialize()")
+
+
 @dataclasses.dataclass(frozen=True)
 class Flow:
     """One row of the workflow axis."""
@@ -346,6 +377,8 @@ class Flow:
     layouts: bool = True
     #: Which phases' layouts are judged (None: every phase), where ``layouts``.
     layout_phases: tuple | None = None
+    #: Run by processes started as torchrun starts a script, with no group (``controller/bare_group.py``).
+    bare: bool = False
 
 
 #: flow -> its entry: the one place to add a flow (``test_workflows.py`` parametrizes over it).
@@ -363,13 +396,14 @@ FLOWS = {
     "batch-not-divisible": Flow(batch_not_divisible),
     "one-unit-output": Flow(one_unit_output),
     "remat-fit": Flow(remat_fit),
+    "initialize-from-torchrun": Flow(initialize_then_fit, bare=True),
 }
 
 
 def run_flow(spec: dict, distributed: bool = True) -> dict:
     """Run ``spec['flow']`` on this process; its evidence: the initial weights, each fit's phase,
     and what dynamo compiled over the whole flow (a ``jit`` cell is judged by it)."""
-    run = Run(spec["layout"], spec["compile"], distributed)
+    run = Run(spec["layout"], spec["compile"], distributed, bare=FLOWS[spec["flow"]].bare and distributed)
     before = _compile_counters()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -378,7 +412,7 @@ def run_flow(spec: dict, distributed: bool = True) -> dict:
         except Skip as why:
             return {"skip": str(why)}
     after = _compile_counters()
-    return {"flow": spec["flow"], "initial_weights": run.initial, "phases": run.phases,
+    return {"flow": spec["flow"], "initial_weights": run.initial, "phases": run.phases, "group": run.group,
             "device": run.device,
             **_compiled_during(before, after),
             "warnings": [str(m.message) for m in caught if re.search("compile|jit", str(m.message), re.I)]}
