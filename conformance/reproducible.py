@@ -162,7 +162,7 @@ def _judge(evidence):
         print(f"not run: {skips[0]}", flush=True)
         return None
     flow = FLOWS[SPEC["flow"]]
-    return workflow_failure(SPEC, values, reference, flow.layouts, flow.layout_phases)
+    return workflow_failure(SPEC, values, reference, flow.layout_phases)
 ''',
 )
 

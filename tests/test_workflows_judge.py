@@ -97,8 +97,9 @@ def test_layouts_are_not_judged_where_the_flow_made_its_variables_before_the_dis
         for p in value["phases"]:
             p["layout"] = COLSHARD
     assert judged(plain)[0] == SHARDING_LOST
-    assert judged(plain, layouts=False) is None
     assert judged(plain, layout_phases=()) is None
+    assert judged(plain, layout_phases=(1,))[1].count("after the fit 'first layer frozen'") == 4  # 2 kernels, 2 ranks
+    assert "after the fit 'all trained'" not in judged(plain, layout_phases=(1,))[1]
 
 
 def test_a_reference_that_started_elsewhere_is_the_harness_error():

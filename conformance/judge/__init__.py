@@ -273,8 +273,7 @@ def judge_workflow(spec: dict, result, reference, flow) -> None:
         pytest.skip(skips[0])
     if not reference.ok:
         raise CellFailure(ERROR, "the single-process reference failed:\n" + reference.story(), reference)
-    raise_found(workflows.workflow_failure(spec, result.values, reference.values[0], flow.layouts,
-                                           flow.layout_phases), result)
+    raise_found(workflows.workflow_failure(spec, result.values, reference.values[0], flow.layout_phases), result)
 
 
 # ---------------------------------------------------------------- Keras-sharded data cells

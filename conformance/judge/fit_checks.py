@@ -200,7 +200,7 @@ def dropout_scope(spec: dict) -> str | None:
     return None
 
 
-def masks_differ(spec: dict, values: list[dict]) -> tuple[str, str] | None:
+def masks_differ(values: list[dict]) -> tuple[str, str] | None:
     """A model with dropout: ranks that fed the same rows report the same numbers and every rank holds
     the same weights (``numerics.same_rows_problems``): a mask one rank draws alone for a tensor the
     others hold too makes its numbers its own."""
@@ -344,7 +344,7 @@ def fit_checks(spec: dict, values: list[dict], nproc: int, reference: dict | Non
             return finish(found, SINGLE_PROCESS_NUMBERS)
     else:
         outcomes[SINGLE_PROCESS_NUMBERS] = (NOT_APPLICABLE, dropout)
-        found = record(DROPOUT_MASKS, masks_differ(spec, values))
+        found = record(DROPOUT_MASKS, masks_differ(values))
         if found is not None:
             return finish(found, DROPOUT_MASKS)
     jax_found = record(JAX_NUMBERS, differs_from_jax(spec, values, jax),

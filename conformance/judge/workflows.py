@@ -9,7 +9,7 @@ batches. ``workflow_failure`` runs the checks in their order:
    script (no group), that it made the group torchrun's variables describe (``error``);
 1. every variable frozen during a fit is bit-equal after it to its value before, on every rank
    (``numerics``: it trained though frozen, which the numbers below would only show as a difference);
-2. the layouts: after every fit whose flow lays its variables out (``FLOWS[...].layouts``), every
+2. the layouts: after every fit whose flow lays its variables out (``FLOWS[...].layout_phases``), every
    variable the phase's LayoutMap names is a DTensor with those placements (``sharding-lost``);
 3. the reference started where the ranks did (the same initial weights, on the same device type:
    else the harness' ``error``);
@@ -25,12 +25,8 @@ import numpy as np
 
 # The verdicts through fit_checks: a reproducer inlines that module, and a name is defined once there.
 from conformance.judge.fit_checks import ERROR, NUMERICS, SHARDING_LOST, not_compiled, reference_elsewhere
-from conformance.judge.numerics import compare, listed, reported_problems
+from conformance.judge.numerics import listed, ranks_agree, reported_problems, weight_problems
 from conformance.judge.sharding import sharding_problems
-
-
-def _phase(value: dict, index: int) -> dict:
-    return value["phases"][index]
 
 
 def group_problems(values: list[dict]) -> list[str]:
@@ -105,28 +101,20 @@ def phase_problems(values: list[dict], reference: dict) -> list[str]:
             return [f"the ranks ran the fits {[p['name'] for p in value['phases']]}, the single process "
                     f"{[p['name'] for p in want_phases]}"]
     for index, want in enumerate(want_phases):
-        phases = [dict(_phase(v, index), batch_part=_phase(v, index)["batch_part"]) for v in values]
-        where = f"after fit {index + 1} of {len(want_phases)} ('{want['name']}')"
-        problems = [f"{where}: {p}" for p in reported_problems("step_losses", phases, want["step_losses"])]
-        for rank, phase in enumerate(phases):
-            for path, weight in want["weights"].items():
-                got = phase["weights"].get(path)
-                if got is None:
-                    problems.append(f"{where}: rank {rank}: weight {path} missing")
-                elif problem := compare(f"weight {path}", got, weight):
-                    problems.append(f"{where}: rank {rank}: {problem}")
-            problems += [f"{where}: ranks 0 and {rank} disagree on weight {path}"
-                         for path, weight in phases[0]["weights"].items()
-                         if rank and not np.array_equal(phase["weights"].get(path), weight)]
+        phases = [value["phases"][index] for value in values]
+        problems = reported_problems("step_losses", phases, want["step_losses"])
+        problems += [p for rank, phase in enumerate(phases) for p in weight_problems(rank, phase, want)]
+        problems += ranks_agree(phases)
         if problems:
-            return problems
+            where = f"after fit {index + 1} of {len(want_phases)} ('{want['name']}')"
+            return [f"{where}: {p}" for p in problems]
     return []
 
 
-def workflow_failure(spec: dict, values: list[dict], reference: dict, layouts: bool = True,
+def workflow_failure(spec: dict, values: list[dict], reference: dict,
                      layout_phases: tuple | None = None) -> tuple[str, str] | None:
     """The first check a workflow cell fails, as ``(verdict, message)``, or None (the order is the
-    module's docstring). ``layouts`` and ``layout_phases``: the flow's (``ranks/workflows.Flow``)."""
+    module's docstring). ``layout_phases``: the flow's (``ranks/workflows.Flow``)."""
     problems = group_problems(values)
     if problems:
         return ERROR, listed("keras.distribution.initialize() did not set up the group torchrun's variables describe",
@@ -134,10 +122,9 @@ def workflow_failure(spec: dict, values: list[dict], reference: dict, layouts: b
     problems = frozen_problems(values)
     if problems:
         return NUMERICS, listed("a variable frozen during a fit changed", problems)
-    if layouts:
-        problems = layout_problems(values, layout_phases)
-        if problems:
-            return SHARDING_LOST, listed("variables lost the layout asked for", problems)
+    problems = layout_problems(values, layout_phases)
+    if problems:
+        return SHARDING_LOST, listed("variables lost the layout asked for", problems)
     found = reference_elsewhere(values, reference)
     if found is not None:
         return found

@@ -73,6 +73,6 @@ def run(spec: dict, distributed: bool = True) -> dict:
         "rows": rows,
         "batch_part": list(part),
         "initial_weights": initial,
-        "weights": {v.path: np.asarray(w) for v, w in zip(model.weights, model.get_weights(), strict=True)},
+        "weights": rank_train.weights_by_path(model),
         "distribution": type(keras.distribution.distribution()).__name__,
     }

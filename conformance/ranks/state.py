@@ -167,16 +167,12 @@ def optimizer_state(model) -> dict:
     return {v.path: np.asarray(keras.ops.convert_to_numpy(v.value)) for v in model.optimizer.variables}
 
 
-def _weights(model) -> dict:
-    return {v.path: np.asarray(w) for v, w in zip(model.weights, model.get_weights(), strict=True)}
-
-
 def _uninterrupted(layout: dict, distributed: bool, steps: slice, epochs: int) -> dict:
     """The same training in one fit, no checkpoint: what a resumed run must equal."""
     _distribute(layout, distributed)
     model = _compiled_model()
     losses = _fit(model, distributed, layout, steps, epochs=epochs)
-    return {"weights": _weights(model), "step_losses": losses, "optimizer": optimizer_state(model)}
+    return {"weights": rank_train.weights_by_path(model), "step_losses": losses, "optimizer": optimizer_state(model)}
 
 
 #: Paths this process opens for writing while ``recording_writes`` is on (None: off).
@@ -309,7 +305,7 @@ def resume_side(spec: dict, distributed: bool = True) -> dict:
         loaded = {"variables": [rank_train.describe_variable(v) for v in model.weights],
                   "optimizer": optimizer_state(model), "slots": rank_train._describe_slots(model)[0]}
         losses = _fit(model, distributed, layout, slice(SAVED_STEPS, rank_train.STEPS))
-    return {"loaded": loaded, "step_losses": losses, "weights": _weights(model),
+    return {"loaded": loaded, "step_losses": losses, "weights": rank_train.weights_by_path(model),
             "variables": [rank_train.describe_variable(v) for v in model.weights],
             "batch_part": list(rank_train._batch_part_here(layout, distributed))}
 

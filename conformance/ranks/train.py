@@ -38,7 +38,7 @@ from conformance.ranks.step_communication import measure_step_communication
 #: (``conformance.cell_data``), its feeding and the step's communication, besides ``train``.
 __all__ = ["BATCH", "SAMPLES", "STEPS", "VOCAB", "batch_part", "build_model", "build_optimizer", "describe_variable",
            "fit_inputs", "frozen_paths", "local_part", "loss_for", "local_rows", "make_arrays", "make_distribution",
-           "measure_step_communication", "model_name", "set_policy", "train"]
+           "measure_step_communication", "model_name", "set_policy", "train", "weights_by_path"]
 
 
 def _device_type(variable) -> str:
@@ -125,12 +125,19 @@ def set_policy(spec: dict) -> None:
     keras.config.set_dtype_policy(policy(spec))
 
 
-def build_model(name: str):
+def weights_by_path(model) -> dict:
+    """Every weight's global value (``get_weights``), by its variable's path."""
+    return {v.path: np.asarray(w) for v, w in zip(model.weights, model.get_weights(), strict=True)}
+
+
+def build_model(name: str, outputs: int = 4):
+    """The model ``name``; the MLP with ``outputs`` units in its last layer (the workflow cells' one-column
+    output: a sharded dimension of size 1)."""
     import keras
 
     if name == "mlp":
         layers = [keras.Input((8,)), keras.layers.Dense(16, activation="relu", name="dense_a"),
-                  keras.layers.Dense(4, name="dense_b")]
+                  keras.layers.Dense(outputs, name="dense_b")]
         return keras.Sequential(layers, name="mlp")
     if name in LORA_MODELS:
         # The MLP fine-tuned with LoRA of rank 2 on both Dense layers: their kernels frozen, the LoRA
@@ -335,7 +342,7 @@ def train(spec: dict, distributed: bool = True) -> dict:
     name = model_name(spec)
     model = build_model(name)
     # Before fit, as numpy by path: the NumPy oracle (conformance/oracle.py) starts from them.
-    initial_weights = {v.path: np.asarray(w) for v, w in zip(model.weights, model.get_weights(), strict=True)}
+    initial_weights = weights_by_path(model)
     compile_kwargs = {"run_eagerly": compile_mode == "eager",
                       "jit_compile": compile_mode == "jit" and distributed,
                       "steps_per_execution": 4 if compile_mode == "spe4" else 1}
@@ -382,7 +389,7 @@ def train(spec: dict, distributed: bool = True) -> dict:
         "initial_weights": initial_weights,
         "frozen": frozen_paths(model),
         "device": _device_type(model.weights[0]),
-        "weights": {v.path: np.asarray(w) for v, w in zip(model.weights, model.get_weights(), strict=True)},
+        "weights": weights_by_path(model),
         "stages": stages,
         "slots": slots,
         "unmatched_optimizer_variables": unmatched,

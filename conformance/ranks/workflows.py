@@ -8,8 +8,8 @@ distributions. A build can pass every training cell and train these wrongly: a g
 a wrapper made at the first fit and never remade when the trainable set changes, a loaded
 weight that is not laid out, a layout kept from the first distribution.
 
-``FLOWS`` is the table: a flow is one entry (its function and whether the variables' layouts are
-judged). A flow function drives a ``Run`` (build, compile, fit: each fit one *phase* of
+``FLOWS`` is the table: a flow is one entry (its function, the fits whose layouts are judged, and
+whether it starts with no process group). A flow function drives a ``Run`` (build, compile, fit: each fit one *phase* of
 evidence). The same function runs the single-process reference (``distributed=False``: no
 distribution, not compiled) on the global batches, so the two differ only in the distribution.
 Each process feeds its own part of every global batch (``cell_data.batch_part``, hand-fed as
@@ -36,6 +36,7 @@ from conformance.ranks.train import (
     build_model,
     describe_variable,
     make_distribution,
+    weights_by_path,
 )
 
 #: The flows' learning rates: the guide's fine-tuning phase trains with a lower one.
@@ -98,12 +99,13 @@ class Run:
         import keras
 
         layout = self.layout if layout is None else layout
-        if self.distributed and layout["kind"] != "single":
-            world = self._rank_and_world()[1]
-            devices = keras.distribution.list_devices() if self.bare else None
-            keras.distribution.set_distribution(make_distribution(layout, world if self.bare else None, devices))
-        else:
+        if not self.distributed or layout["kind"] == "single":
             keras.distribution.set_distribution(None)
+        elif self.bare:
+            keras.distribution.set_distribution(
+                make_distribution(layout, self._rank_and_world()[1], keras.distribution.list_devices()))
+        else:
+            keras.distribution.set_distribution(make_distribution(layout))
         return layout
 
     def build(self, seed: int = 0, units: int = OUTPUTS):
@@ -113,10 +115,7 @@ class Run:
 
         keras.utils.set_random_seed(seed)
         self.units = units
-        if units == OUTPUTS:
-            return build_model("mlp")
-        return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu", name="dense_a"),
-                                 keras.layers.Dense(units, name="dense_b")], name="mlp")
+        return build_model("mlp", outputs=units)
 
     @staticmethod
     def enable_lora(model) -> None:
@@ -133,7 +132,7 @@ class Run:
 
     def remember_initial(self, model) -> None:
         """The weights the flow's first fit starts from (the reference's must be the same)."""
-        self.initial = _weights(model)
+        self.initial = weights_by_path(model)
         self.device = _device_type(model.weights[0])
 
     # ---------------------------------------------------------------- a fit
@@ -151,9 +150,8 @@ class Run:
         rows = fit_rows(index, count, batch, uneven)
         x, y, _ = make_arrays("mlp")
         y = y[:, :self.units]
-        trainable = {id(v) for v in model.trainable_weights}
-        frozen = {v.path: np.asarray(w) for v, w in zip(model.weights, model.get_weights(), strict=True)
-                  if id(v) not in trainable}
+        trainable = {v.path for v in model.trainable_weights}
+        frozen = {path: w for path, w in weights_by_path(model).items() if path not in trainable}
         losses: list[float] = []
 
         class StepLosses(keras.callbacks.Callback):
@@ -165,7 +163,7 @@ class Run:
             model.fit(x[rows], y[rows], batch_size=shard_size(batch, count, index), shuffle=False, epochs=1,
                       verbose=0, callbacks=[StepLosses()])
         self.phases.append({"name": name, "batch": batch, "layout": layout, "batch_part": [index, count],
-                            "step_losses": losses, "frozen": frozen, "weights": _weights(model),
+                            "step_losses": losses, "frozen": frozen, "weights": weights_by_path(model),
                             "variables": [describe_variable(v) for v in model.weights]})
 
     def _rank_and_world(self) -> tuple[int, int]:
@@ -175,13 +173,9 @@ class Run:
         return ctx.rank, ctx.world_size
 
 
-def _weights(model) -> dict:
-    return {v.path: np.asarray(w) for v, w in zip(model.weights, model.get_weights(), strict=True)}
-
-
-def _own_file(spec: dict, name: str, distributed: bool) -> str:
+def _own_file(spec: dict, name: str, run: Run) -> str:
     """A file of this process' own in the cell's folder (no two processes write one file)."""
-    who = f"rank{rank_context.current().rank}" if distributed else "single"
+    who = f"rank{run._rank_and_world()[0]}" if run.distributed else "single"
     return os.path.join(spec["folder"], f"{who}-{name}")
 
 
@@ -269,7 +263,7 @@ def _pretrained(spec: dict, run: Run, suffix: str) -> str:
     run.distribute({"kind": "single"})
     model = run.build(seed=PRETRAINED_SEED)
     run.compile(model)
-    path = _own_file(spec, f"pretrained{suffix}", run.distributed)
+    path = _own_file(spec, f"pretrained{suffix}", run)
     if suffix == ".keras":
         model.save(path)
     else:
@@ -356,7 +350,6 @@ def initialize_then_fit(run: Run, spec: dict) -> None:
         after = dist.is_initialized()
         run.group = {"before": before, "after": after, "rank": dist.get_rank() if after else None,
                      "world_size": dist.get_world_size() if after else None,
-                     "backend": str(dist.get_backend()) if after else None,
                      "environment": {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")},
                      "devices": list(keras.distribution.list_devices())}
     run.distribute()
@@ -370,12 +363,10 @@ class Flow:
     """One row of the workflow axis."""
 
     run: Callable[[Run, dict], None]
-    #: Whether each phase's variables are held to the layout the phase ran under. Keras lays a
-    #: variable out when it is created (``keras.distribution``'s docs: set the distribution before
-    #: the model is created): a model built before the distribution, or one fitted under a second
-    #: distribution, has no layout asked of it; its numbers are judged.
-    layouts: bool = True
-    #: Which phases' layouts are judged (None: every phase), where ``layouts``.
+    #: The phases (fits, by index) whose variables are held to the layout the fit ran under (None:
+    #: every one). Keras lays a variable out when it is created (``keras.distribution``'s docs: set
+    #: the distribution before the model is created): a model built before the distribution, or one
+    #: fitted under a second distribution, has no layout asked of it there; its numbers are judged.
     layout_phases: tuple | None = None
     #: Run by processes started as torchrun starts a script, with no group (``controller/bare_group.py``).
     bare: bool = False
@@ -389,7 +380,7 @@ FLOWS = {
     "fit-recompile-fit": Flow(fit_recompile_fit),
     "model-untrainable-fit": Flow(model_untrainable_fit),
     "fit-new-batch-size": Flow(fit_new_batch_size),
-    "built-before-distribution": Flow(built_before_distribution, layouts=False),
+    "built-before-distribution": Flow(built_before_distribution, layout_phases=()),
     "load-keras-fit": Flow(load_keras_fit),
     "load-weights-fit": Flow(load_weights_fit),
     "fit-other-distribution-fit": Flow(fit_other_distribution_fit, layout_phases=(0,)),
@@ -403,12 +394,13 @@ FLOWS = {
 def run_flow(spec: dict, distributed: bool = True) -> dict:
     """Run ``spec['flow']`` on this process; its evidence: the initial weights, each fit's phase,
     and what dynamo compiled over the whole flow (a ``jit`` cell is judged by it)."""
-    run = Run(spec["layout"], spec["compile"], distributed, bare=FLOWS[spec["flow"]].bare and distributed)
+    flow = FLOWS[spec["flow"]]
+    run = Run(spec["layout"], spec["compile"], distributed, bare=flow.bare and distributed)
     before = _compile_counters()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            FLOWS[spec["flow"]].run(run, spec)
+            flow.run(run, spec)
         except Skip as why:
             return {"skip": str(why)}
     after = _compile_counters()
