@@ -36,6 +36,12 @@ if __name__ == "__main__":
 
         probed = valid_vec_isa_list.cache_info().currsize  # before this process asks
         print(json.dumps({"probed": probed, "isa": [str(isa) for isa in valid_vec_isa_list()]}))
+    elif mode == "first-compile":
+        import torch
+
+        before = set(sys.modules)
+        torch.compile(lambda x: x * 2, backend=sys.argv[2])(torch.ones(2))
+        print(json.dumps({"imported": len(set(sys.modules) - before)}))
     elif mode == "jax":
         import jax
 
