@@ -1,8 +1,10 @@
 """pytest-benchmark: what the persistent pool saves. An empty call on --nproc ranks through the
-warm pool, against starting fresh rank processes (interpreter, torch import, group) for it.
+warm pool, against starting fresh rank processes (interpreter, torch import, group) for it; and
+what a replacement of the session's ranks costs (a build that keeps state pays it before nearly
+every cell), torch-only and with Keras.
 
-The two are in one benchmark group, so pytest-benchmark's table shows them side by side; the
-ratio is in docs/measurements.md. No timing is asserted here: speed is measured, never a pass/fail rule.
+Each pair is one benchmark group, so pytest-benchmark's table shows them side by side; the figures
+are in docs/measurements.md. No timing is asserted here: speed is measured, never a pass/fail rule.
 """
 
 from __future__ import annotations
@@ -41,3 +43,20 @@ def test_empty_call_on_fresh_ranks(benchmark, conformance_state, tmp_path):
             pool.close()
 
     benchmark.pedantic(fresh_pool_call, rounds=3, iterations=1)
+
+
+@pytest.mark.benchmark(group="replacement: the session's ranks killed, started again, an empty call")
+@pytest.mark.parametrize("kind", ["torch", "keras"])
+def test_a_replacement(benchmark, conformance_state, kind):
+    """What a build that keeps state pays before nearly every cell (``controller/fresh_ranks.py``): the
+    pool's ranks killed and forked again from the zygote (Keras imported, the group joined, the
+    baseline taken), then the call. docs/measurements.md has the parts of it."""
+    pool = conformance_state.pool(import_keras=kind == "keras")
+    assert pool.run(rank_calls.noop).ok  # the first start is not a replacement
+
+    def replace():
+        pool.kill("a benchmark's replacement")
+        result = pool.run(rank_calls.noop)
+        assert result.ok, result.story()
+
+    benchmark.pedantic(replace, rounds=5, iterations=1)
