@@ -10,6 +10,7 @@ kit's mixed tier run on it (6 mixed cells, 2 float32 ones). Prints each cell's v
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -55,4 +56,7 @@ def _copy_of(source: str, work: str) -> str:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["1.002", "1.003", "1.005", "1.01"])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("factors", nargs="*", metavar="FACTOR", default=["1.002", "1.003", "1.005", "1.01"],
+                        help="update factors to write into the mutant (default: %(default)s)")
+    main(parser.parse_args().factors)

@@ -12,6 +12,7 @@ ranks' final weights, which the oracle judges too, are held to this run by the r
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import os
 import sys
@@ -60,4 +61,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

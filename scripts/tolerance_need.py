@@ -13,11 +13,11 @@ and quantity (predict, weights, logged metrics), with the cell and value that se
 
 from __future__ import annotations
 
+import argparse
 import collections
 import json
 import os
 import re
-import sys
 
 OUT = os.environ.get("TOLERANCE_NEED_OUT", "tolerance-need.jsonl")
 #: The atol that lets every comparison pass, so that each one is measured.
@@ -71,4 +71,7 @@ def summarise(path: str) -> None:
 
 
 if __name__ == "__main__":
-    summarise(sys.argv[1] if len(sys.argv) > 1 else OUT)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("records", nargs="?", default=OUT, metavar="FILE.jsonl",
+                        help="what the plugin appended (default: %(default)s)")
+    summarise(parser.parse_args().records)

@@ -14,10 +14,10 @@ stay above; a build whose update factor is off by e moves ``s`` by about e.
 
 from __future__ import annotations
 
+import argparse
 import collections
 import json
 import os
-import sys
 
 OUT = os.environ.get("UPDATE_SCALE_OUT", "update-scale.jsonl")
 
@@ -61,4 +61,7 @@ def summarise(path: str) -> None:
 
 
 if __name__ == "__main__":
-    summarise(sys.argv[1] if len(sys.argv) > 1 else OUT)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("records", nargs="?", default=OUT, metavar="FILE.jsonl",
+                        help="what the plugin appended (default: %(default)s)")
+    summarise(parser.parse_args().records)
