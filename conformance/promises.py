@@ -43,7 +43,7 @@ COMMUNICATION = "communication"
 
 #: Layouts whose LayoutMap shards a variable (``replicated`` and ``dataparallel`` shard none).
 SHARDING_LAYOUTS = tuple(name for name, layout in axes.LAYOUTS.items() if layout.get("map"))
-#: Scenarios whose judge holds a kernel to its sharding (``judge.SCENARIO_JUDGES``); the others
+#: Scenarios whose judge holds a kernel to its sharding (``judge.scenarios.SCENARIO_JUDGES``); the others
 #: (``iterate-dtensor``, ``clear-session-undoes-distribution``) check values or state only.
 SHARDING_SCENARIOS = {"assign-partial", "uneven-sharding", "rank0-convert-to-numpy", "rank0-callback-get-weights",
                       "rank0-checkpoint-save", "distribution-changed-between-fits", "mesh-reshaped-between-fits",

@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 
 from conformance import axes
-from conformance.judge import judge_agreement
+from conformance.judge.cells import judge_agreement
 from conformance.marks import mesh_marks, row_layout_params
 from conformance.ranks import agreement as rank_agreement
 

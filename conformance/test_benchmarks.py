@@ -23,7 +23,7 @@ from keras_dtensor_conformance import RATIO_STATS as STATS
 from keras_dtensor_conformance import paired_rounds, rank_clock, record_rank_rounds
 
 from conformance import axes
-from conformance.judge import ran_everywhere
+from conformance.judge.cells import ran_everywhere
 from conformance.ranks import bench as rank_bench
 
 pytestmark = pytest.mark.benchmark(timer=rank_clock)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from conformance import axes
-from conformance.judge import judge_keras_sharded
+from conformance.judge.cells import judge_keras_sharded
 from conformance.marks import mesh_marks
 from conformance.ranks import data_sharding as rank_data
 

@@ -15,7 +15,7 @@ import pytest
 from keras_dtensor_conformance import CellFailure
 
 from conformance import axes
-from conformance.judge import judge_fit, ran_everywhere, skip_if_not_in_build
+from conformance.judge.cells import judge_fit, ran_everywhere, skip_if_not_in_build
 from conformance.judge.communication import figures
 from conformance.ranks import train as rank_train
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 from conformance import axes
-from conformance.judge import judge_on_batch, ran_everywhere
+from conformance.judge.cells import judge_on_batch, ran_everywhere
 from conformance.marks import row_layout_params
 from conformance.ranks import on_batch as rank_on_batch
 

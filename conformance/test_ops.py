@@ -13,7 +13,7 @@ import itertools
 
 import pytest
 
-from conformance.judge import judge_op
+from conformance.judge.cells import judge_op
 from conformance.ranks import ops as rank_ops
 
 

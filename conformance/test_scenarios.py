@@ -3,14 +3,14 @@
 Scenarios that make rank 0 alone run a collective get a short timeout (a ``rank_timeout`` marker):
 on a build that hangs there, the cell fails as ``hang`` in seconds, every rank's stack is dumped, and the session goes on.
 No SPMD build can gather a sharded kernel on one rank alone, so those scenarios pass when rank 0
-gets a clear error quickly and every rank finishes training (``judge.SCENARIO_JUDGES['rank-zero-only']``).
+gets a clear error quickly and every rank finishes training (``judge.scenarios.SCENARIO_JUDGES['rank-zero-only']``).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from conformance.judge import judge_scenario
+from conformance.judge.scenarios import judge_scenario
 from conformance.ranks import scenarios as rank_scenarios
 
 #: A correct build finishes these in milliseconds; a hang costs this, plus a restart. A scenario's

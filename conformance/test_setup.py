@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conformance.judge import judge_setup
+from conformance.judge.cells import judge_setup
 from conformance.ranks import setup_cells as rank_setup
 
 SETUP_PARAMS = [

@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 
 from conformance import axes
-from conformance.judge import raise_found, ran_everywhere
+from conformance.judge.cells import raise_found, ran_everywhere
 from conformance.judge import state as judge_state
 from conformance.marks import mesh_marks
 from conformance.ranks import state as rank_state

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 
 from conformance import axes
-from conformance.judge import judge_workflow, ran_everywhere
+from conformance.judge.cells import judge_workflow, ran_everywhere
 from conformance.marks import mesh_marks
 from conformance.ranks import workflows as rank_workflows
 

@@ -13,7 +13,8 @@ import json
 from keras_dtensor_conformance.rank.outcomes import HANG, OK, PoolResult, RankOutcome
 from keras_dtensor_conformance.verdicts import ERROR, HANG_VERDICT, NUMERICS, CellFailure
 
-from conformance.judge import agreement, judge_agreement
+from conformance.judge import agreement
+from conformance.judge.cells import judge_agreement
 from conformance.ranks import agreement as rank_agreement
 from conformance.test_agreement import callback_cells, metric_cells
 

@@ -11,7 +11,8 @@ import pytest
 from keras_dtensor_conformance.verdicts import DATA_NOT_SHARDED, NUMERICS
 
 from conformance import axes
-from conformance.judge import batch_coordinates, data_sharding
+from conformance.judge import data_sharding
+from conformance.judge.cells import batch_coordinates
 
 SAMPLES = 96
 SHUFFLED = {"shuffles": True}

@@ -13,7 +13,8 @@ from keras_dtensor_conformance import FAILED, HELD, JAX_BACKEND_DIFFERS, NOT_APP
 from keras_dtensor_conformance.verdicts import COMPILE_FALLBACK, ERROR, NUMERICS, SHARDING_LOST, CellFailure
 
 from conformance import axes
-from conformance.judge import fit_checks, judge_fit
+from conformance.judge import fit_checks
+from conformance.judge.cells import judge_fit
 
 SPEC = axes.cell_spec("mlp", "adam", "arrays", "jit", "colshard")
 #: Each check of fit_checks, and what it finds when the test makes it fail.

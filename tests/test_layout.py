@@ -9,7 +9,10 @@ And the suite (``conformance/``) uses the plugin only through the names its pack
 from __future__ import annotations
 
 import ast
+import os
 import pathlib
+import subprocess
+import sys
 
 import keras_dtensor_conformance
 import pytest
@@ -83,6 +86,18 @@ def test_the_judge_imports_no_rank_code():
     """The judge reads evidence; what it shares with the rank side (the cell's data, the mesh
     geometry) lives in ``conformance/cell_data.py``, neither side's module."""
     assert violations(judge_files(), ("conformance.ranks",)) == []
+
+
+def test_a_rank_reading_the_judges_constants_imports_neither_pytest_nor_every_check():
+    """Rank code reads a few constants of the judge's modules (``slots.factored_shapes``,
+    ``agreement.DECISION_PREFIX``): the package itself imports nothing, so a fresh rank's first
+    fit does not import pytest and every check (0.1 to 0.14 s of it, in each rank of each start)."""
+    code = ("import sys\nimport conformance.judge.slots, conformance.judge.agreement\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pytest', '_pytest')"
+            " or m == 'conformance.judge.cells'))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "KERAS_BACKEND": "torch"})
+    assert proc.stdout.strip() == "[]"
 
 
 #: The longest a module of the plugin or the suite may get: past it, a module holds more than one role.

@@ -12,7 +12,8 @@ import pytest
 from keras_dtensor_conformance.rank.outcomes import OK, PoolResult, RankOutcome
 from keras_dtensor_conformance.verdicts import COMPILE_FALLBACK, SHARDING_LOST, CellFailure
 
-from conformance.judge import judge_op, op_checks
+from conformance.judge import op_checks
+from conformance.judge.cells import judge_op
 from conformance.ranks import ops as rank_ops
 
 

@@ -24,7 +24,7 @@ from keras_dtensor_conformance.report.results import build_report
 
 from conformance import promises as suite
 from conformance import test_scenarios
-from conformance.judge import SCENARIO_JUDGES
+from conformance.judge.scenarios import SCENARIO_JUDGES
 
 SLOT_LOST = "rank 0 optimizer slot adam/dense_kernel_momentum: a plain Tensor, expected a DTensor ['R', 'S(1)']"
 VARIABLE_LOST = "rank 1 after fit: sequential/dense/kernel: a plain Tensor, expected a DTensor ['R', 'S(1)']"

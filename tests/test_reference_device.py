@@ -16,7 +16,8 @@ from keras_dtensor_conformance.controller.pools import PoolManager
 from keras_dtensor_conformance.verdicts import ERROR, CellFailure
 
 from conformance import axes
-from conformance.judge import fit_checks, judge_fit
+from conformance.judge import fit_checks
+from conformance.judge.cells import judge_fit
 from conformance.ranks import train as rank_train
 
 

@@ -17,7 +17,7 @@ import pytest
 from keras_dtensor_conformance.rank.outcomes import OK, PoolResult, RankOutcome
 from keras_dtensor_conformance.verdicts import CRASH_VERDICT, ERROR, HANG_VERDICT, SHARDING_LOST, CellFailure
 
-from conformance.judge import RANK0_RAISE_WITHIN_S, judge_scenario
+from conformance.judge.scenarios import RANK0_RAISE_WITHIN_S, judge_scenario
 from conformance.ranks import scenarios as rank_scenarios
 from conformance.test_scenarios import HANG_TIMEOUT
 from tests import mutants

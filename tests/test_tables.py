@@ -111,7 +111,7 @@ def test_a_bad_optimizer_row_fails_the_import():
     code = ("from conformance import axes\n"
             "axes.OPTIMIZERS['sgd-typo'] = axes.Optimizer('SGD', {'learning_rate': 0.05}, slots=axes.Slots(0),"
             " oracle='sdg')\n"
-            "import conformance.judge\n")
+            "import conformance.judge.cells\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False,
                           env={**os.environ, "PYTHONPATH": ROOT})
     assert proc.returncode == 1

@@ -20,7 +20,7 @@ from keras_dtensor_conformance.verdicts import (
 )
 
 from conformance import axes
-from conformance.judge import judge_fit
+from conformance.judge.cells import judge_fit
 from conformance.ranks import train as rank_train
 from tests import torch_cells, verdict_cells
 

@@ -1,7 +1,7 @@
 """Evidence -> verdict for the agreement cells: metrics and callbacks as a user sees them.
 
 Plain functions returning ``(verdict, message)`` or None, like ``fit_checks.py``; raising is
-``judge.judge_agreement``'s part. ``values`` is what ``conformance.ranks.agreement.run`` returns on
+``judge.cells.judge_agreement``'s part. ``values`` is what ``conformance.ranks.agreement.run`` returns on
 each rank, in rank order (None for a rank that did not return); ``reference`` is what it returns in
 the single-process run over the global batch.
 

@@ -1,6 +1,6 @@
 """Evidence -> verdict for a trained cell, as plain functions that a standalone reproducer can inline.
 
-``judge.judge_fit`` decides a training cell's verdict with these, and so does the script
+``judge.cells.judge_fit`` decides a training cell's verdict with these, and so does the script
 ``--conformance-repro`` writes for a training cell (it inlines this module's source after the
 modules it imports: ``conformance/reproducible.py``), so a contributor's script judges sharding,
 numbers against the single-process reference and compilation with the suite's own rules, not a

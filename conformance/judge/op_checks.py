@@ -1,6 +1,6 @@
 """Evidence -> verdict for op cells, as plain functions that a standalone reproducer can inline.
 
-``judge.judge_op`` decides an op cell's verdict here, and so does the script
+``judge.cells.judge_op`` decides an op cell's verdict here, and so does the script
 ``--conformance-repro`` writes for an op cell (it inlines this module's source:
 ``conformance/reproducible.py``), so the script a contributor runs judges with the suite's own
 rules, not a copy of them. That is why nothing here raises pytest's or the plugin's exceptions:

@@ -2,7 +2,7 @@
 that resume and reshard.
 
 Plain functions returning ``(verdict, message)`` or None, like ``fit_checks.py``; raising is the
-test module's part (``judge.raise_found``). ``values`` are what ``conformance.ranks.state`` returns
+test module's part (``judge.cells.raise_found``). ``values`` are what ``conformance.ranks.state`` returns
 on each rank, in rank order.
 
 Reconciled: after build and after training, every rank's global view of every variable

@@ -1,7 +1,7 @@
 """Evidence -> verdict for the workflow cells: a flow of several fits against one process running it.
 
 Plain functions returning ``(verdict, message)`` or None, like ``fit_checks.py``; raising is the
-judge's part (``judge.judge_workflow``). ``values`` are what ``conformance.ranks.workflows.run_flow``
+judge's part (``judge.cells.judge_workflow``). ``values`` are what ``conformance.ranks.workflows.run_flow``
 returns on each rank, in rank order; ``reference`` what it returns in one process on the global
 batches. ``workflow_failure`` runs the checks in their order:
 

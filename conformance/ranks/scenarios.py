@@ -82,7 +82,7 @@ class _RankZeroOnly:
 
     No SPMD build can gather a sharded kernel on one rank alone; the most a build can do is to
     refuse clearly. So rank 0 catches what the work raises, with how long it took to raise, and
-    training goes on: the exception is the evidence (see ``judge.judge_rank_zero_only``). The
+    training goes on: the exception is the evidence (see ``judge.scenarios._judge_rank_zero_only``). The
     first exception is kept; the work runs at the end of every epoch.
     """
 
