@@ -75,10 +75,10 @@ def test_the_cause_is_the_innermost_exception_at_the_builds_innermost_frame(buil
 
 
 def test_a_keras_wrapper_headline_is_passed_over_to_the_message_it_wraps():
-    assert causes.innermost_exception([
+    assert causes.normalise(causes.innermost_line([
         f"IndexError: Exception encountered when calling Dense.call().\n\n{BOLD}The shape of the mask [24, 6] at "
         f"index 1 does not match{RESET}\n\nArguments received by Dense.call():\n  • inputs=torch.Tensor(shape=[24])"
-    ]) == "IndexError: The shape of the mask [N, N] at index N does not match"
+    ])) == "IndexError: The shape of the mask [N, N] at index N does not match"
 
 
 def test_a_crash_is_placed_at_the_dying_threads_innermost_frame_of_the_build(build_tree):

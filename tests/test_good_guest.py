@@ -138,7 +138,7 @@ def test_only_command_line_options_make_a_conformance_session():
 
 def test_every_option_is_in_the_table_once():
     flags = [o.flag for o in options.OPTIONS]
-    assert len(flags) == len(set(flags)) and len(options.BY_DEST) == len(flags)
+    assert len(flags) == len(set(flags)) and len({o.dest for o in options.OPTIONS}) == len(flags)
 
 
 def test_ini_twin_reaches_the_session(inner):

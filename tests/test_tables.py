@@ -140,6 +140,5 @@ def test_an_op_row_that_contradicts_itself_is_named(entry, said):
 
 
 def test_the_op_tables_derive_from_the_rows():
-    assert rank_ops.NOT_A_TENSOR == ("convert-to-numpy", "shape", "is-tensor")
     assert rank_ops.NO_SCALAR == ("matmul", "dot", "einsum", "concatenate")
     assert list(rank_ops.OP_KINDS) == list(rank_ops.OPS)

@@ -157,8 +157,6 @@ def check_ops(table: dict) -> None:
 check_ops(OPS)
 #: name -> "unary" | "binary", in table order: the matrix's rows (test_ops.py).
 OP_KINDS = {name: op.kind for name, op in OPS.items()}
-#: Ops whose result is not a tensor (a NumPy array, a shape tuple, a bool): no placements to check.
-NOT_A_TENSOR = tuple(name for name, op in OPS.items() if op.twin is None)
 #: Binary ops whose second operand cannot be a scalar.
 NO_SCALAR = tuple(name for name, op in OPS.items() if op.kind == "binary" and not op.scalar)
 #: The second operand of a binary op: a plain torch tensor (after or before the DTensor), a Python

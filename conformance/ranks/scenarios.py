@@ -153,7 +153,7 @@ def clear_session_undoes_distribution() -> dict:
 
     keras.distribution.set_distribution(rank_train.make_distribution(COLSHARD))
     keras.backend.clear_session()
-    modes = torch_internals.dispatch_mode_names()
+    modes = torch_internals.mode_stack_names()
     layer = keras.layers.Dense(16, name="dense_after")
     layer.build((None, 8))
     return {"distribution": repr(keras.distribution.distribution()), "modes": modes,
