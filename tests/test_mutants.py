@@ -22,7 +22,7 @@ from concurrent.futures import CancelledError, ThreadPoolExecutor
 
 import pytest
 from keras_dtensor_conformance.controller.launch import LaunchConfig
-from keras_dtensor_conformance.controller.zygote import Mother
+from keras_dtensor_conformance.controller.mother import Mother
 
 from tests import mutants
 

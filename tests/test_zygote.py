@@ -15,16 +15,8 @@ from multiprocessing.connection import Client
 import psutil
 import pytest
 from keras_dtensor_conformance.controller.launch import LaunchConfig
-from keras_dtensor_conformance.controller.zygote import (
-    MOTHER,
-    MOTHER_KEY,
-    ZYGOTE_MODULE,
-    ForkedProcess,
-    Mother,
-    Zygote,
-    ended,
-    shadowed,
-)
+from keras_dtensor_conformance.controller.mother import MOTHER, MOTHER_KEY, Mother
+from keras_dtensor_conformance.controller.zygote import ZYGOTE_MODULE, ForkedProcess, Zygote, ended, shadowed
 from keras_dtensor_conformance.rank.zygote import pythonpath_entries
 
 from tests import torch_cells

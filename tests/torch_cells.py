@@ -201,3 +201,11 @@ def mesh_op_then_collective() -> float:
     # Replicate on mesh dim 0 broadcasts over that dim's group: a per-rank subgroup (size-1 dim).
     z = distribute_tensor(torch.ones(4, 4), y.device_mesh, [Replicate(), Shard(0)])
     return float((y + z).full_tensor().sum())
+
+
+def forked_ready() -> dict:
+    """Whether this rank was forked from its pool's zygote with the build imported and the baseline
+    taken (``isolation.inherited_build``), and its parent's pid."""
+    from keras_dtensor_conformance.rank import isolation
+
+    return {"inherited": isolation.inherited_build() is not None, "ppid": os.getppid(), "pid": os.getpid()}

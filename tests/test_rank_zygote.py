@@ -1,0 +1,61 @@
+"""A pool's own zygote (``controller/rank_zygote.py``): it imports the build and takes a rank's
+baseline once, its ranks and their replacements are forked from it ready, and it serves only a rank
+whose environment gives every variable the build's import read the same value. That the verdicts of
+ranks forked from it are those of fresh ranks is ``tests/test_fresh_verdicts.py``'s."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from keras_dtensor_conformance.controller.zygote import Zygote
+from keras_dtensor_conformance.rank.zygote import reads_of_environ
+
+from tests import torch_cells
+
+
+def test_every_way_of_reading_the_environment_is_recorded(monkeypatch):
+    monkeypatch.setenv("KDC_TEST_SET", "1")
+    monkeypatch.delenv("KDC_TEST_UNSET", raising=False)
+    with reads_of_environ() as read:
+        assert os.environ["KDC_TEST_SET"] == "1"
+        assert os.getenv("KDC_TEST_UNSET") is None
+        assert "KDC_TEST_CONTAINS" not in os.environ
+        os.environ.get("KDC_TEST_GET", "default")
+    assert read == {"KDC_TEST_SET": "1", "KDC_TEST_UNSET": None, "KDC_TEST_CONTAINS": None, "KDC_TEST_GET": None}
+    assert type(os.environ).__name__ == "_Environ"  # put back
+    with reads_of_environ() as read:
+        dict(os.environ)
+    assert read == dict(os.environ)  # iterating reads everything
+
+
+def test_it_serves_only_a_rank_whose_environment_gives_the_import_the_same_values(tmp_path):
+    env = {"PYTHONPATH": "/build", "KERAS_HOME": "/home/k", "RANK": "0"}
+    zygote = Zygote(env, str(tmp_path / "z"), parent=Zygote({}, str(tmp_path / "p")))
+    zygote.info = {"build": {"environ": {"KERAS_HOME": "/home/k", "KERAS_BACKEND": None}}}
+    assert zygote.compatible(dict(env, RANK="1"))  # a variable the import did not read
+    assert not zygote.compatible(dict(env, KERAS_HOME="/elsewhere"))
+    assert not zygote.compatible(dict(env, KERAS_BACKEND="jax"))  # unset when the import read it
+    assert not zygote.compatible(dict(env, PYTHONPATH="/another-build"))
+
+
+@pytest.fixture
+def rank_zygote(keras_ranks):
+    keras_ranks.run(torch_cells.whoami)  # started
+    zygote = keras_ranks.rank_zygote
+    if zygote is None or not zygote.serving:
+        pytest.skip(f"no pool zygote here: {zygote.why_not if zygote else 'none (no session zygote)'}")
+    return zygote
+
+
+def test_the_ranks_and_their_replacements_are_forked_ready_from_the_pools_zygote(keras_ranks, rank_zygote):
+    first = keras_ranks.run(torch_cells.forked_ready).values
+    keras_ranks.kill("a test's replacement")
+    again = keras_ranks.run(torch_cells.forked_ready).values
+    for values in (first, again):
+        assert [v["inherited"] for v in values] == [True] * keras_ranks.nproc
+        assert {v["ppid"] for v in values} == {rank_zygote.info["pid"]}
+    assert {v["pid"] for v in first}.isdisjoint(v["pid"] for v in again)
+    assert keras_ranks.rank_zygote is rank_zygote  # the same zygote served the replacement
+    # What the build's import read: the backend, so another backend's ranks are not served.
+    assert "KERAS_BACKEND" in rank_zygote.info["build"]["environ"]
