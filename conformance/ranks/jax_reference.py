@@ -108,12 +108,8 @@ def train(spec: dict, initial_weights: dict, nproc: int, jit: bool = False, fit:
         else rank_train.fit_inputs(spec["data"], x, y, w)
 
     step_losses: list[float] = []
-
-    class StepLosses(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            step_losses.append(float(logs["loss"]))
-
-    history = model.fit(*fit_args, epochs=1, verbose=0, callbacks=[StepLosses()], **fit_kwargs)
+    history = model.fit(*fit_args, epochs=1, verbose=0, callbacks=[rank_train.step_losses_callback(step_losses)],
+                        **fit_kwargs)
     found = layouts(model)
     evaluation = model.evaluate(x, y, verbose=0, **kwargs)
     prediction = model.predict(x, batch_size=rank_train.BATCH, verbose=0)

@@ -125,6 +125,17 @@ def set_policy(spec: dict) -> None:
     keras.config.set_dtype_policy(policy(spec))
 
 
+def step_losses_callback(losses: list[float]):
+    """A Keras callback that appends the loss Keras logs at the end of each train step to ``losses``."""
+    import keras
+
+    class StepLosses(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            losses.append(float(logs["loss"]))
+
+    return StepLosses()
+
+
 def weights_by_path(model) -> dict:
     """Every weight's global value (``get_weights``), by its variable's path."""
     return {v.path: np.asarray(w) for v, w in zip(model.weights, model.get_weights(), strict=True)}
@@ -353,16 +364,11 @@ def train(spec: dict, distributed: bool = True) -> dict:
     args, kwargs = fit_inputs(spec["data"], x, y, w, local_batch)
 
     step_losses: list[float] = []
-
-    class StepLosses(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            step_losses.append(float(logs["loss"]))
-
     stages = {"built": [describe_variable(v) for v in model.weights]}
     before = _compile_counters()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        history = model.fit(*args, epochs=1, verbose=0, callbacks=[StepLosses()], **kwargs)
+        history = model.fit(*args, epochs=1, verbose=0, callbacks=[step_losses_callback(step_losses)], **kwargs)
     after = _compile_counters()
     stages["fit"] = [describe_variable(v) for v in model.weights]
     slots, unmatched = _describe_slots(model)

@@ -36,6 +36,7 @@ from conformance.ranks.train import (
     build_model,
     describe_variable,
     make_distribution,
+    step_losses_callback,
     weights_by_path,
 )
 
@@ -141,8 +142,6 @@ class Run:
         distribution of ``layout`` (the cell's), parts of unequal sizes where ``uneven``; one phase
         of evidence: each step's reported loss, the variables frozen in it (their values before),
         every weight and variable after."""
-        import keras
-
         layout = self.layout if layout is None else layout
         if not self.initial:
             self.remember_initial(model)
@@ -153,15 +152,10 @@ class Run:
         trainable = {v.path for v in model.trainable_weights}
         frozen = {path: w for path, w in weights_by_path(model).items() if path not in trainable}
         losses: list[float] = []
-
-        class StepLosses(keras.callbacks.Callback):
-            def on_train_batch_end(self, step, logs=None):
-                losses.append(float(logs["loss"]))
-
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The model does not have any trainable weights")
             model.fit(x[rows], y[rows], batch_size=shard_size(batch, count, index), shuffle=False, epochs=1,
-                      verbose=0, callbacks=[StepLosses()])
+                      verbose=0, callbacks=[step_losses_callback(losses)])
         self.phases.append({"name": name, "batch": batch, "layout": layout, "batch_part": [index, count],
                             "step_losses": losses, "frozen": frozen, "weights": weights_by_path(model),
                             "variables": [describe_variable(v) for v in model.weights]})
