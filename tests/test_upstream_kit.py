@@ -17,6 +17,7 @@ from tests.test_workflows import actionlint, tool, zizmor_findings
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 UPSTREAM = ROOT / "upstream"
 sys.path.insert(0, str(ROOT / "scripts"))
+import kit_record
 import upstream_kit
 
 CALLER = UPSTREAM / upstream_kit.CALLER_PATH
@@ -26,7 +27,7 @@ KERAS_MASTER = "3422977a5e38fb2f7709aaa9a08e47f0c43d0f60"
 
 @pytest.fixture(scope="module")
 def record() -> dict:
-    return upstream_kit.load_record(upstream_kit.recorded_run(UPSTREAM))
+    return kit_record.load_record(upstream_kit.recorded_run(UPSTREAM))
 
 
 def kit_script(*args: str, cwd=ROOT) -> subprocess.CompletedProcess:
@@ -153,7 +154,7 @@ def test_the_record_keeps_the_writers_inputs_from_a_report():
     """A report's cell becomes its verdict and the first line of its text (as it was: pids too); a skipped
     cell its state; the writer then gives the entry it gives in a session."""
     report = {
-        "schema": upstream_kit.REPORT_SCHEMA, "created": "x", "duration": 1.0, "clusters": [],
+        "schema": kit_record.REPORT_SCHEMA, "created": "x", "duration": 1.0, "clusters": [],
         "collected": ["a[1]", "a[2]", "a[3]", "b[1]"],
         "build": {"keras_version": "3.16.0", "git_commit": "f" * 40, "torch_version": "2.13.0+cpu",
                   "backend": "gloo", "nproc": 2, "capabilities": {}},
@@ -164,12 +165,12 @@ def test_the_record_keeps_the_writers_inputs_from_a_report():
             {"id": "a[3]", "verdict": None, "outcome": "skipped", "message": "needs --nproc 4"},
         ],
     }
-    record = upstream_kit.record_from_report(report, commit=None, command="pytest x", wall_s=2.0,
+    record = kit_record.record_from_report(report, commit=None, command="pytest x", wall_s=2.0,
                                              env={"python": "3.11.7", "jax": "0.10.2", "machine": "m"})
     assert record["cells"] == {"a[1]": ["pass"], "a[2]": ["numerics", "rank 1 (pid 42): step_losses differ"],
                                "a[3]": ["skipped", "needs --nproc 4"]}
     assert record["not_run"] == ["b[1]"]
-    reread = upstream_kit.load_record_text(upstream_kit.dump_record(record))
+    reread = kit_record.load_record_text(kit_record.dump_record(record))
     assert reread == record
     text = upstream_kit.expectations_text(record)
     assert text.splitlines()[2] == "# torch: 2.13"
