@@ -11,7 +11,7 @@ the reference. A rank that stops alone leaves its peers hanging in the next epoc
 the cells' short ``rank_timeout`` bounds that, and the judge names the callback and the epoch from
 the decisions each rank printed (``conformance.judge.agreement``).
 
-Each rank feeds its local part of every global batch (``rank_train.batch_part``). The default tier
+Each rank feeds its local part of every global batch (``cell_data.batch_part``). The default tier
 is a handful of cells over DataParallel and column- and batch-sharded ModelParallel; ``--full``
 takes every metric and callback over every layout, and the metrics compiled too.
 """

@@ -1,5 +1,5 @@
 """The communication budget (``conformance.judge.communication``) on synthetic evidence shaped as
-``rank_train.measure_step_communication`` returns it, with the figures measured on the default
+``step_communication.measure_step_communication`` returns it, with the figures measured on the default
 build (a column-sharded MLP, 2 ranks) and on the ``gradients-gathered`` mutant."""
 
 from __future__ import annotations

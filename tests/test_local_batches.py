@@ -13,6 +13,7 @@ import pytest
 
 from conformance import axes
 from conformance.judge.numerics import numerics_problems
+from conformance import cell_data
 from conformance.ranks import train as rank_train
 
 NPROCS = (1, 2, 3, 4, 8)
@@ -21,19 +22,19 @@ NPROCS = (1, 2, 3, 4, 8)
 @pytest.mark.parametrize("nproc", NPROCS)
 def test_every_rank_feeds_an_equal_part(nproc):
     """The global batch divides evenly over every batch-shard count a cell can have."""
-    assert rank_train.BATCH % nproc == 0
-    parts = [rank_train.local_rows(i, nproc) for i in range(nproc)]
-    assert {len(p) for p in parts} == {rank_train.SAMPLES // nproc}
+    assert cell_data.BATCH % nproc == 0
+    parts = [cell_data.local_rows(i, nproc) for i in range(nproc)]
+    assert {len(p) for p in parts} == {cell_data.SAMPLES // nproc}
 
 
 @pytest.mark.parametrize("nproc", NPROCS)
 def test_the_parts_make_up_each_global_batch_in_order(nproc):
     """Concatenating the ranks' rows of step s gives global batch s, rows in order."""
-    local = rank_train.BATCH // nproc
-    parts = [rank_train.local_rows(i, nproc).reshape(rank_train.STEPS, local) for i in range(nproc)]
-    for step in range(rank_train.STEPS):
+    local = cell_data.BATCH // nproc
+    parts = [cell_data.local_rows(i, nproc).reshape(cell_data.STEPS, local) for i in range(nproc)]
+    for step in range(cell_data.STEPS):
         rows = np.concatenate([p[step] for p in parts])
-        assert rows.tolist() == list(range(step * rank_train.BATCH, (step + 1) * rank_train.BATCH))
+        assert rows.tolist() == list(range(step * cell_data.BATCH, (step + 1) * cell_data.BATCH))
 
 
 @pytest.mark.parametrize(("layout", "nproc", "parts"), [
@@ -48,7 +49,7 @@ def test_the_parts_make_up_each_global_batch_in_order(nproc):
     ("colshard-data", 2, [(0, 1), (0, 1)]),  # ("data", "model") = (1, n)
 ])
 def test_batch_part_is_the_ranks_batch_coordinate(layout, nproc, parts):
-    assert [rank_train.batch_part(axes.LAYOUTS[layout], r, nproc) for r in range(nproc)] == parts
+    assert [cell_data.batch_part(axes.LAYOUTS[layout], r, nproc) for r in range(nproc)] == parts
 
 
 # ---------------------------------------------------------------- numerics rules
@@ -123,5 +124,5 @@ def test_dataparallel_ranks_feed_and_predict_their_own_rows(keras_ranks):
     assert result.ok, result.story()
     for rank, value in enumerate(result.values):
         assert value["batch_part"] == [rank, n]
-        assert value["rows"].tolist() == rank_train.local_rows(rank, n).tolist()
-        assert len(value["predict"]) == rank_train.SAMPLES // n
+        assert value["rows"].tolist() == cell_data.local_rows(rank, n).tolist()
+        assert len(value["predict"]) == cell_data.SAMPLES // n

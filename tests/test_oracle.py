@@ -20,7 +20,7 @@ import pytest
 
 from conformance import axes
 from conformance.judge import oracle
-from conformance.ranks import train as rank_train
+from conformance import cell_data
 from tests import mutants
 from tests.test_mutants import session_env
 
@@ -153,7 +153,7 @@ def test_a_difference_is_named_with_its_quantity(quantity):
     spec = axes.cell_spec("mlp", "adam", "arrays", "nojit", "colshard")
     evidence, want = oracle_evidence(spec)
     assert oracle.reference_problems(spec, evidence, "") == []
-    assert len(want.batch_losses) == rank_train.STEPS and len(want.step_losses) == rank_train.STEPS
+    assert len(want.batch_losses) == cell_data.STEPS and len(want.step_losses) == cell_data.STEPS
     if quantity == "weight":
         evidence["weights"]["mlp/dense_b/bias"] = evidence["weights"]["mlp/dense_b/bias"] + 1e-3
         expected = "weight mlp/dense_b/bias differs from the NumPy oracle"

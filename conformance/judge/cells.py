@@ -171,7 +171,7 @@ def judge_workflow(spec: dict, result, reference, flow) -> None:
 # ---------------------------------------------------------------- Keras-sharded data cells
 def batch_coordinates(layout: dict, nproc: int) -> dict[int, int]:
     """rank -> its coordinate on the mesh's batch axis (devices fill the mesh row-major, as in
-    ``ranks/train.batch_part``): the ranks of one coordinate form one global batch."""
+    ``cell_data.batch_part``): the ranks of one coordinate form one global batch."""
     return {rank: batch_part(layout, rank, nproc)[0] for rank in range(nproc)}
 
 

@@ -1,7 +1,7 @@
 """ModelParallel's memory promise inside a train step: no full-size copy of a sharded variable, its
 gradient or an optimizer slot of it.
 
-The evidence is ``values[rank]["communication"]`` (``rank_train.measure_step_communication``): one
+The evidence is ``values[rank]["communication"]`` (``step_communication.measure_step_communication``): one
 extra eager train step, measured after the cell's other evidence, with every collective it
 issued (torch's ``CommDebugMode``), every ``DTensor.redistribute`` the build called itself
 (``full_tensor()`` is one), and what the optimizer received as each variable's gradient.

@@ -1,6 +1,6 @@
 """The numerics check: a distributed cell's numbers against the single-process reference.
 
-Each rank feeds only its local part of every global batch (``rank_train.batch_part``), while the
+Each rank feeds only its local part of every global batch (``cell_data.batch_part``), while the
 reference trains on the global batch. What each quantity is compared with follows from that:
 
 - final weights: the model trained on the global batch, so every rank holds the reference's
@@ -103,7 +103,7 @@ def reported_problems(key: str, values: list[dict], want, tol: dict | None = Non
     Accepted: every rank reports the global value; or every rank reports its local value, ranks
     that fed the same rows agree, and the mean over batch shards equals the global value. The
     second is exact arithmetic, not a loosened tolerance: each shard's local value is a mean over
-    an equal number of rows (``rank_train.BATCH`` divides evenly; Keras' loss reduction divides by
+    an equal number of rows (``cell_data.BATCH`` divides evenly; Keras' loss reduction divides by
     the batch size even with sample weights), and the running mean over steps is linear, so the
     mean over shards of the local means is the global mean. Anything else (a rank reporting a
     value that is neither, shards that do not average to the global) is a problem.

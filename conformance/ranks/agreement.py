@@ -1,7 +1,7 @@
 """Rank side of the agreement cells: metrics compiled as a user would, and callbacks that decide.
 
 Each rank feeds its LOCAL part of every global batch, training and validation data alike
-(``rank_train.batch_part``, hand-fed: ``auto_shard_dataset = False``); the single-process
+(``cell_data.batch_part``, hand-fed: ``auto_shard_dataset = False``); the single-process
 reference (``distributed=False``) feeds the global batch, eager. A rank returns what a user sees:
 ``History``, the ``logs`` each epoch's callbacks get, and ``evaluate(return_dict=True)``; a
 callback cell also returns every decision its callback took, epoch by epoch.
@@ -23,6 +23,7 @@ import numpy as np
 from keras_dtensor_conformance import rank_context
 
 from conformance.judge.agreement import DECISION_PREFIX
+from conformance import cell_data
 from conformance.ranks import train as rank_train
 
 #: The offset added to the targets of the validation rows that the first half of every global
@@ -103,9 +104,9 @@ def build_model(task: str):
 
 def global_data(task: str) -> dict:
     """The global training and validation data, identical on every rank and in the reference."""
-    x, y, w = rank_train.make_arrays("mlp")
-    xv, yv, _ = rank_train.make_arrays("mlp", seed=1)
-    first_half = (np.arange(len(yv)) % rank_train.BATCH) < rank_train.BATCH // 2
+    x, y, w = cell_data.make_arrays("mlp")
+    xv, yv, _ = cell_data.make_arrays("mlp", seed=1)
+    first_half = (np.arange(len(yv)) % cell_data.BATCH) < cell_data.BATCH // 2
     yv = yv + VALIDATION_OFFSET * first_half[:, None].astype("float32")
     if task == "classification":
         y, yv = np.argmax(y, axis=1).astype("int32"), np.argmax(yv, axis=1).astype("int32")
@@ -169,7 +170,7 @@ def run(spec: dict, distributed: bool = True) -> dict:
                   **(compiled_metrics(metric) if metric else {}))
 
     part = rank_train._batch_part_here(layout, distributed)
-    rows, local_batch = rank_train.local_rows(*part), rank_train.BATCH // part[1]
+    rows, local_batch = cell_data.local_rows(*part), cell_data.BATCH // part[1]
     data = {k: v[rows] for k, v in global_data(task).items()}
     weighted = metric == "weighted-mae"
     fit_kwargs = {"sample_weight": data["w"]} if weighted else {}

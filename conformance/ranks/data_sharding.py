@@ -18,12 +18,13 @@ from __future__ import annotations
 import numpy as np
 from keras_dtensor_conformance import rank_context
 
+from conformance import cell_data
 from conformance.ranks import train as rank_train
 
 #: Steps per epoch, and the global batch (as in the hand-fed cells): each process's batch is
 #: ``BATCH // shards``, because Keras' adapters hand each process whole batches of ``batch_size``.
-STEPS = rank_train.STEPS
-BATCH = rank_train.BATCH
+STEPS = cell_data.STEPS
+BATCH = cell_data.BATCH
 EPOCHS = 2
 #: Rows of an uneven cell: not a multiple of any process count's batch, nor of 2, 3 or 4 processes.
 UNEVEN_SAMPLES = STEPS * BATCH + 7
@@ -134,7 +135,7 @@ def run(spec: dict) -> dict:
     distribution.auto_shard_dataset = True  # Keras' default: Keras shards the global dataset itself
     keras.distribution.set_distribution(distribution)
     keras.utils.set_random_seed(0)
-    shards = rank_train.batch_part(spec["layout"], ctx.rank, ctx.world_size)[1]
+    shards = cell_data.batch_part(spec["layout"], ctx.rank, ctx.world_size)[1]
     batch = BATCH // shards
     x, y = global_data(samples(spec))
     index = {row.tobytes(): i for i, row in enumerate(x)}

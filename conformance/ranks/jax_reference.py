@@ -20,6 +20,8 @@ from __future__ import annotations
 import numpy as np
 
 from conformance.cell_data import DROPOUT_MODELS
+from conformance import cell_data
+from conformance.ranks import feeding
 from conformance.ranks import train as rank_train
 
 #: The persistent compilation cache's events (``jax.monitoring``) this process saw: ``hits`` (an XLA
@@ -98,21 +100,21 @@ def train(spec: dict, initial_weights: dict, nproc: int, jit: bool = False, fit:
     if not fit:
         model.optimizer.build(model.trainable_variables)
         return layouts(model)
-    x, y, w = rank_train.make_arrays(model_name, seed=spec.get("seed", 0))
-    kwargs = {"batch_size": rank_train.BATCH}
+    x, y, w = cell_data.make_arrays(model_name, seed=spec.get("seed", 0))
+    kwargs = {"batch_size": cell_data.BATCH}
     if spec["data"] == "sample-weights":
         kwargs["sample_weight"] = w
     # A PyDataset through the same adapter (it orders its batches itself); every other source
     # yields the arrays' batches in order, so the arrays stand for it (its types may be torch's).
     fit_args, fit_kwargs = ((x, y), dict(kwargs, shuffle=False)) if not spec["data"].startswith("pydataset") \
-        else rank_train.fit_inputs(spec["data"], x, y, w)
+        else feeding.fit_inputs(spec["data"], x, y, w)
 
     step_losses: list[float] = []
     history = model.fit(*fit_args, epochs=1, verbose=0, callbacks=[rank_train.step_losses_callback(step_losses)],
                         **fit_kwargs)
     found = layouts(model)
     evaluation = model.evaluate(x, y, verbose=0, **kwargs)
-    prediction = model.predict(x, batch_size=rank_train.BATCH, verbose=0)
+    prediction = model.predict(x, batch_size=cell_data.BATCH, verbose=0)
     return {
         "step_losses": step_losses,
         "epoch_loss": [float(v) for v in history.history["loss"]],

@@ -12,6 +12,7 @@ import numpy as np
 from keras_dtensor_conformance import rank_context, torch_internals
 
 from conformance import axes
+from conformance import cell_data
 from conformance.ranks import train as rank_train
 
 COLSHARD = axes.LAYOUTS["colshard"]
@@ -27,8 +28,8 @@ def _fit_mlp(layout=COLSHARD, units: int = 16, epochs: int = 1, callbacks=()):
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(units, name="dense_a"),
                               keras.layers.Dense(4, name="dense_b")])
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
-    x, y, _ = rank_train.make_arrays("mlp")
-    model.fit(x, y, batch_size=rank_train.BATCH, shuffle=False, epochs=epochs, verbose=0, callbacks=list(callbacks))
+    x, y, _ = cell_data.make_arrays("mlp")
+    model.fit(x, y, batch_size=cell_data.BATCH, shuffle=False, epochs=epochs, verbose=0, callbacks=list(callbacks))
     return model, x
 
 
@@ -72,7 +73,7 @@ def uneven_sharding() -> dict:
     weights = model.get_weights()
     hidden = x @ weights[0] + weights[1]
     expected = hidden @ weights[2] + weights[3]
-    got = model.predict(x, batch_size=rank_train.BATCH, verbose=0)
+    got = model.predict(x, batch_size=cell_data.BATCH, verbose=0)
     return {"kernel": _kernel(model), "global_shape": tuple(weights[0].shape),
             "match": bool(np.allclose(got, expected, rtol=1e-4, atol=1e-5))}
 
@@ -202,6 +203,6 @@ def save_and_load(fmt: str) -> dict:
     after = loaded.get_weights()
     same = len(before) == len(after) and all(np.allclose(a, b) for a, b in zip(before, after, strict=True))
     kernel_after_load = _kernel(loaded)
-    _, y, _ = rank_train.make_arrays("mlp")
-    loaded.fit(x, y, batch_size=rank_train.BATCH, shuffle=False, epochs=1, verbose=0)
+    _, y, _ = cell_data.make_arrays("mlp")
+    loaded.fit(x, y, batch_size=cell_data.BATCH, shuffle=False, epochs=1, verbose=0)
     return {"same_weights": same, "kernel_after_load": kernel_after_load, "kernel_after_fit": _kernel(loaded)}

@@ -23,9 +23,10 @@ import numpy as np
 from keras_dtensor_conformance import rank_context
 
 from conformance import axes
+from conformance import cell_data
 from conformance.ranks import train as rank_train
 
-#: Steps trained before the checkpoint; the rest of ``rank_train.STEPS`` after it.
+#: Steps trained before the checkpoint; the rest of ``cell_data.STEPS`` after it.
 SAVED_STEPS = 2
 LEARNING_RATE = 0.01
 
@@ -83,9 +84,9 @@ def snapshot(model) -> list[dict]:
 def _data(distributed: bool, layout: dict, steps: slice) -> tuple[np.ndarray, np.ndarray, int]:
     """(x, y, local batch): this process' part of the global batches ``steps``."""
     part = rank_train._batch_part_here(layout, distributed)
-    local_batch = rank_train.BATCH // part[1]
-    rows = rank_train.local_rows(*part)[steps.start * local_batch:steps.stop * local_batch]
-    x, y, _ = rank_train.make_arrays("mlp")
+    local_batch = cell_data.BATCH // part[1]
+    rows = cell_data.local_rows(*part)[steps.start * local_batch:steps.stop * local_batch]
+    x, y, _ = cell_data.make_arrays("mlp")
     return x[rows], y[rows], local_batch
 
 
@@ -138,7 +139,7 @@ def reconcile(spec: dict, distributed: bool = True, start: dict | None = None) -
         model.set_weights([start[v.path] for v in model.weights])
     stages = {"built": snapshot(model)}
     model.compile(optimizer=keras.optimizers.Adam(LEARNING_RATE), loss="mse")
-    losses = _fit(model, distributed, spec["layout"], slice(0, rank_train.STEPS))
+    losses = _fit(model, distributed, spec["layout"], slice(0, cell_data.STEPS))
     stages["fit"] = snapshot(model)
     return {"stages": stages, "step_losses": losses,
             "batch_part": list(rank_train._batch_part_here(spec["layout"], distributed))}
@@ -258,7 +259,7 @@ def save_side(spec: dict, distributed: bool = True) -> dict:
             except Interrupted:
                 pass  # the interruption this cell makes itself; every rank raises it at the same epoch
     else:
-        evidence = {"uninterrupted": _uninterrupted(layout, distributed, slice(0, rank_train.STEPS), 1)}
+        evidence = {"uninterrupted": _uninterrupted(layout, distributed, slice(0, cell_data.STEPS), 1)}
         _distribute(layout, distributed)
         model = _compiled_model()
         callbacks = [keras.callbacks.ModelCheckpoint(path)] if how == "modelcheckpoint" else []
@@ -304,7 +305,7 @@ def resume_side(spec: dict, distributed: bool = True) -> dict:
         model = keras.saving.load_model(path)
         loaded = {"variables": [rank_train.describe_variable(v) for v in model.weights],
                   "optimizer": optimizer_state(model), "slots": rank_train._describe_slots(model)[0]}
-        losses = _fit(model, distributed, layout, slice(SAVED_STEPS, rank_train.STEPS))
+        losses = _fit(model, distributed, layout, slice(SAVED_STEPS, cell_data.STEPS))
     return {"loaded": loaded, "step_losses": losses, "weights": rank_train.weights_by_path(model),
             "variables": [rank_train.describe_variable(v) for v in model.weights],
             "batch_part": list(rank_train._batch_part_here(layout, distributed))}

@@ -34,11 +34,11 @@ from conformance.cell_data import (
 from conformance.ranks.feeding import fit_inputs
 from conformance.ranks.step_communication import measure_step_communication
 
-#: Read from here by the other rank modules and the tests (``rank_train.BATCH``): the cell's data
-#: (``conformance.cell_data``), its feeding and the step's communication, besides ``train``.
-__all__ = ["BATCH", "SAMPLES", "STEPS", "VOCAB", "batch_part", "build_model", "build_optimizer", "describe_variable",
-           "fit_inputs", "frozen_paths", "local_part", "loss_for", "local_rows", "make_arrays", "make_distribution",
-           "measure_step_communication", "model_name", "set_policy", "train", "weights_by_path"]
+#: What the other rank modules and the tests read from here. The cell's data, its feeding and the step's
+#: communication are read where they live (``conformance.cell_data``, ``ranks/feeding.py``,
+#: ``ranks/step_communication.py``).
+__all__ = ["build_model", "build_optimizer", "describe_variable", "frozen_paths", "loss_for", "make_distribution",
+           "model_name", "set_policy", "step_losses_callback", "train", "weights_by_path"]
 
 
 def _device_type(variable) -> str:
