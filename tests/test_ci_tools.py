@@ -11,10 +11,11 @@ import sys
 
 import pytest
 
-from keras_dtensor_conformance import ci
 from tests.workflows import REUSABLE, workflow
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))  # a CI helper, not part of the installed plugin
+import ci  # noqa: E402
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
 
@@ -186,7 +187,7 @@ def test_the_summary_opens_with_what_nobody_expected(tmp_path):
     (tmp_path / "report" / "report.json").write_text(json.dumps(merged))
     (tmp_path / "report" / "report.md").write_text(markdown(merged))
     target = tmp_path / "summary.md"
-    proc = subprocess.run([sys.executable, str(ROOT / "fixtures" / "ci.py"), "summary", "report", "--report-only",
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "ci.py"), "summary", "report", "--report-only",
                            "true"], cwd=tmp_path, env={**os.environ, "GITHUB_STEP_SUMMARY": str(target)},
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
@@ -195,7 +196,7 @@ def test_the_summary_opens_with_what_nobody_expected(tmp_path):
     assert proc.stdout == (
         "::error title=new failure%3A test_fit[sgd-colshard]::mixed-tensor: got mixed torch.Tensor and DTensor\n")
     target.unlink()
-    proc = subprocess.run([sys.executable, str(ROOT / "fixtures" / "ci.py"), "summary", "nothing"], cwd=tmp_path,
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "ci.py"), "summary", "nothing"], cwd=tmp_path,
                           env={**os.environ, "GITHUB_STEP_SUMMARY": str(target)}, capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0 and target.read_text() == ci.NO_REPORT_LINE + "\n"

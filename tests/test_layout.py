@@ -11,8 +11,10 @@ from __future__ import annotations
 import ast
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
+import zipfile
 
 import keras_dtensor_conformance
 import pytest
@@ -108,3 +110,24 @@ def test_no_module_of_the_plugin_the_suite_or_the_scripts_is_over_450_lines():
     files = [*(ROOT / "fixtures").rglob("*.py"), *(ROOT / "conformance").rglob("*.py"), *(ROOT / "scripts").rglob("*.py")]
     long = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
     assert long == {}
+
+
+def test_the_wheel_installs_every_package_of_fixtures_and_nothing_else(tmp_path):
+    """setup.py finds the plugin's packages in ``fixtures/``: a sub-package added there installs with
+    no list to update (proven with one made here, in a copy of the tree), and the wheel holds the
+    plugin only: no CI helper, no tests, no suite."""
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        (tmp_path / name).write_bytes((ROOT / name).read_bytes())
+    shutil.copytree(ROOT / "fixtures", tmp_path / "fixtures", ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "fixtures" / "added").mkdir()
+    (tmp_path / "fixtures" / "added" / "__init__.py").write_text("")
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                           str(tmp_path), "--wheel-dir", str(tmp_path / "dist")], capture_output=True, text=True,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    with zipfile.ZipFile(next((tmp_path / "dist").glob("*.whl"))) as wheel:
+        files = {name for name in wheel.namelist() if ".dist-info/" not in name}
+    expected = {f"{PACKAGE}/{path.relative_to(tmp_path / 'fixtures').as_posix()}"
+                for path in (tmp_path / "fixtures").rglob("*") if path.suffix in (".py", ".html")}
+    assert f"{PACKAGE}/added/__init__.py" in expected
+    assert files == expected

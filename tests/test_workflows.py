@@ -346,7 +346,7 @@ def test_what_a_maintainer_meets_is_set():
     for caller in (load(readme_caller_text()), workflow("conformance.yml")):
         assert caller["concurrency"]["group"].startswith("${{ github.workflow }}-${{ github.head_ref || ")
     summary = next(s for s in job["steps"] if "step summary" in s.get("name", ""))
-    assert summary["run"].startswith("python suite/fixtures/ci.py summary report") and summary["if"].startswith("always()")
+    assert summary["run"].startswith("python suite/scripts/ci.py summary report") and summary["if"].startswith("always()")
 
 
 def actionlint(*paths: str) -> subprocess.CompletedProcess:
