@@ -66,9 +66,12 @@ def environment(machine: str | None = None) -> dict:
 
 
 def record_from_report(report: dict, *, commit: str | None, command: str | None, wall_s: float | None,
-                       log: str = "", env: dict | None = None) -> dict:
+                       log: str = "", env: dict | None = None, suite_commit: str | None = None) -> dict:
     """The compact record of a ``--conformance-json`` report: per cell its verdict (or ``skipped``,
-    ``interrupted``) and the first line of its text, with the versions and the run's cost."""
+    ``interrupted``) and the first line of its text, with the versions, the suite's commit the run
+    was made with (the one the kit's caller pins) and the run's cost."""
+    if not suite_commit:
+        raise KitError("no suite commit: record with the suite at a commit (commit its changes first)")
     if report.get("schema") != REPORT_SCHEMA:
         raise KitError(f"not a {REPORT_SCHEMA} report (schema {report.get('schema')!r})")
     build = report["build"]
@@ -87,6 +90,7 @@ def record_from_report(report: dict, *, commit: str | None, command: str | None,
         "schema": RECORD_SCHEMA,
         "version": RECORD_VERSION,
         "keras": {"repository": KERAS_REPOSITORY, "commit": commit, "version": build["keras_version"]},
+        "suite_commit": suite_commit,
         "torch": build["torch_version"],
         "jax": env.get("jax"),
         "python": env.get("python"),

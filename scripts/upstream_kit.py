@@ -126,7 +126,17 @@ def expectations_text(record: dict) -> str:
         book = Expectations(None, path, strict=False, torch_version=record["torch"])
         book.check_collected(collected)
         book.write_update(verdicts, banner(record))
-        return pathlib.Path(path).read_text(encoding="utf-8")
+        lines = pathlib.Path(path).read_text(encoding="utf-8").splitlines(keepends=True)
+    # Above the entries (the reader skips comments; a re-record by the plugin keeps those of an entry).
+    at = next(i for i, line in enumerate(lines) if not line.startswith("#"))
+    return "".join([*lines[:at], *(line + "\n" for line in rerecord_lines(record)), *lines[at:]])
+
+
+def rerecord_lines(record: dict) -> list[str]:
+    """How the expectations were recorded, and how to record them again on a newer master: one command."""
+    return [f"# Recorded with keras-dtensor-conformance {record['suite_commit'][:12]}, the commit the workflow pins. "
+            "On a newer master, from that",
+            f"# suite checkout: pytest --keras-path ../keras --update-expectations ../keras/{EXPECTATIONS_PATH}"]
 
 
 def expectation_entries(text: str):
@@ -150,6 +160,16 @@ def _cause_line(cluster: dict) -> str:
     where = f" (in `{cluster['where']}`)" if cluster["where"] else ""
     took = f", {_minutes(cluster['seconds'])}" if cluster.get("seconds", 0) >= 60 else ""
     return f"- {cluster['cells']} cells{took}, `{cluster['verdict']}`: {said}{where}; e.g. `{cluster['example']}`"
+
+
+def gating_check(caller: str) -> str:
+    """The check GitHub names the gating job of the caller: the calling job's id, then the called job's
+    name (``keras-conformance.yml``: ``merge`` with slices, ``conformance`` without)."""
+    from tests.workflows import load
+
+    job = next(name for name, spec in load(caller)["jobs"].items()
+               if str(spec.get("uses", "")).split("@")[0].endswith("/keras-conformance.yml"))
+    return f"{job} / {'merge' if int(caller_input(caller, 'slices') or 1) > 1 else 'conformance'}"
 
 
 def pr_text(record: dict, caller: str, expectations: str) -> str:
@@ -185,6 +205,8 @@ def pr_text(record: dict, caller: str, expectations: str) -> str:
         "`ModelParallel` and `DataParallel` judged against one process, the JAX backend and a NumPy oracle, "
         "`keras.ops` on DTensors, metrics, callbacks, on-batch APIs, checkpoints. The Markdown report goes to the "
         "step summary; JSON, HTML and Markdown are uploaded as an artifact."),
+        (f"**The required check.** To gate merges, branch protection requires `{gating_check(caller)}`: the job "
+        "that gates (with slices, the merge of their reports; a slice's job only runs cells)."),
         ("**What a red means.** A cell got a verdict the expectations file does not record: a cell that passed "
         "fails, or a recorded failure fails another way (`expected X (reason), got Y: ...`); or the session "
         "stopped (a usage error, such as an expectations file recorded on another torch). A recorded failure "
@@ -196,6 +218,8 @@ def pr_text(record: dict, caller: str, expectations: str) -> str:
         ("```bash\n"
         "git clone https://github.com/keras-team/keras-dtensor-conformance ../keras-dtensor-conformance\n"
         f"git -C ../keras-dtensor-conformance checkout {ref}\n"
+        "# torch's CPU build, as the workflow installs it (else pip takes the CUDA wheels, GBs):\n"
+        "export PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu\n"
         "pip install -c ../keras-dtensor-conformance/constraints-cpu.txt "
         "-e \"../keras-dtensor-conformance[default-build,jax]\"\n"
         "cd ../keras-dtensor-conformance && pytest --keras-path ../keras "
@@ -297,6 +321,14 @@ def git_commit(path: str) -> str | None:
     return proc.stdout.strip() if proc.returncode == 0 else None
 
 
+def suite_commit() -> str | None:
+    """This checkout's commit, if its tracked files are that commit's: else the run would not be the
+    pinned suite's (None)."""
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                           cwd=ROOT, check=False)
+    return git_commit(str(ROOT)) if dirty.returncode == 0 and not dirty.stdout.strip() else None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -313,20 +345,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-log", type=pathlib.Path, help="with a report: the run's terminal output")
     parser.add_argument("--machine", help="what the run ran on (default: this machine's system, CPU and core count)")
     parser.add_argument("--pytest-args", default="", help="with --keras-path: more pytest arguments")
+    parser.add_argument("--suite-commit", help="with a report: the suite's commit it was made with "
+                                               "(default: this checkout's, if it has no changes)")
     args = parser.parse_args(argv)
     try:
         if args.keras_path:
             report, command, wall, log = run_tier(args.keras_path, shlex.split(args.pytest_args))
             commit = args.keras_commit or git_commit(args.keras_path)
             record = record_from_report(report, commit=commit, command=command, wall_s=wall, log=log,
-                                        env=environment(args.machine))
+                                        env=environment(args.machine), suite_commit=suite_commit())
         else:
             path = args.from_run or recorded_run(args.upstream)
             data = json.loads(path.read_text(encoding="utf-8"))
             if data.get("schema") == REPORT_SCHEMA:
                 log = args.run_log.read_text(encoding="utf-8") if args.run_log else ""
                 record = record_from_report(data, commit=args.keras_commit, command=args.command,
-                                            wall_s=args.wall_s, log=log, env=environment(args.machine))
+                                            wall_s=args.wall_s, log=log, env=environment(args.machine),
+                                            suite_commit=args.suite_commit or suite_commit())
             else:
                 record = load_record(path)
         files = kit_files(record)

@@ -165,8 +165,12 @@ def test_the_record_keeps_the_writers_inputs_from_a_report():
             {"id": "a[3]", "verdict": None, "outcome": "skipped", "message": "needs --nproc 4"},
         ],
     }
+    with pytest.raises(kit_record.KitError, match="no suite commit"):
+        kit_record.record_from_report(report, commit=None, command="pytest x", wall_s=2.0, env={})
     record = kit_record.record_from_report(report, commit=None, command="pytest x", wall_s=2.0,
-                                             env={"python": "3.11.7", "jax": "0.10.2", "machine": "m"})
+                                             env={"python": "3.11.7", "jax": "0.10.2", "machine": "m"},
+                                             suite_commit="e" * 40)
+    assert record["suite_commit"] == "e" * 40
     assert record["cells"] == {"a[1]": ["pass"], "a[2]": ["numerics", "rank 1 (pid 42): step_losses differ"],
                                "a[3]": ["skipped", "needs --nproc 4"]}
     assert record["not_run"] == ["b[1]"]
@@ -178,11 +182,14 @@ def test_the_record_keeps_the_writers_inputs_from_a_report():
         ("a[2]", "numerics", "rank 1: step_losses differ")]
 
 
-def test_the_caller_pins_a_commit_of_this_suite():
+def test_the_caller_pins_the_suite_commit_the_run_was_recorded_with(record):
     """A ``uses:`` pinned to a SHA that is no commit of the suite fails on GitHub before any job starts
-    (and zizmor's online impostor-commit audit, which Keras' job runs, names it)."""
+    (and zizmor's online impostor-commit audit, which Keras' job runs, names it); pinned to another
+    commit than the recorded run's, the gate would judge Keras with a suite its expectations were not
+    recorded with. The commit must be on main (an ancestor of this checkout's HEAD)."""
     ref = upstream_kit.suite_ref(CALLER.read_text())
     assert len(ref) == 40 and all(c in "0123456789abcdef" for c in ref), f"{ref} is not a commit SHA"
+    assert ref == record["suite_commit"], "README's caller pins another suite commit than the kit's record"
     shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], capture_output=True, text=True,
                              cwd=ROOT, check=False)
     if shallow.returncode != 0 or shallow.stdout.strip() == "true":
@@ -190,3 +197,17 @@ def test_the_caller_pins_a_commit_of_this_suite():
     found = subprocess.run(["git", "cat-file", "-e", f"{ref}^{{commit}}"], capture_output=True, text=True,
                            cwd=ROOT, check=False)
     assert found.returncode == 0, f"{ref} is no commit of this repository"
+    on_main = subprocess.run(["git", "merge-base", "--is-ancestor", ref, "HEAD"], cwd=ROOT, check=False)
+    assert on_main.returncode == 0, f"{ref} is not on this checkout's history"
+
+
+def test_the_pr_note_names_the_required_check_and_the_expectations_how_to_record_them_again(record):
+    """A maintainer who adopts the kit must know which check to require (GitHub names it after the
+    calling job and the called one), and one who finds the file stale, the one command that records it."""
+    caller = CALLER.read_text()
+    assert upstream_kit.gating_check(caller) == "dtensor-conformance / merge"
+    assert upstream_kit.gating_check(caller.replace("slices: 4", "slices: 1")) == "dtensor-conformance / conformance"
+    assert "requires `dtensor-conformance / merge`" in (UPSTREAM / "PR.md").read_text()
+    header = (UPSTREAM / upstream_kit.EXPECTATIONS_PATH).read_text().split("\ntest_")[0]
+    assert record["suite_commit"][:12] in header
+    assert f"pytest --keras-path ../keras --update-expectations ../keras/{upstream_kit.EXPECTATIONS_PATH}" in header
