@@ -74,9 +74,9 @@ def single_process(conformance_state, keras_ranks):
 @pytest.fixture(scope="session")
 def against_ranks(conformance_state, keras_ranks):
     """``--benchmark-against``'s ranks (started here, so no cell's time includes it), or None."""
-    if conformance_state.against_path is None:
+    if conformance_state.against is None:
         return None
-    pool = conformance_state.manager.other_build(conformance_state.against_path, conformance_state.nproc)
+    pool = conformance_state.manager.other_build(conformance_state.against.path, conformance_state.nproc)
     pool.start()
     return pool
 
@@ -136,7 +136,7 @@ def test_step_time(benchmark, request, keras_ranks, single_process, against_rank
     entry = {"cell": cell, "overhead": ratios(samples, "dist", "single", f"{cell}:overhead"), "against": None}
     if against_ranks is not None:
         entry["against"] = ratios(samples, "dist", "against", f"{cell}:against")
-    conformance_state.bench_ratios.append(entry)
+    conformance_state.bench.ratios.append(entry)
     wall = [s["wall"] for s in samples["dist"]]
     record_extra_info(benchmark, conformance_state, wall, rank_bench.BATCH,
              dtensor_overhead=round(entry["overhead"]["wall"]["ratio"], 3),
