@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from keras_dtensor_conformance.slicing import family_key
+from keras_dtensor_conformance.slicing.estimate import family_key
 
 
 @pytest.hookimpl(trylast=True)

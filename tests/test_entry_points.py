@@ -1,6 +1,6 @@
 """Every ``python -m`` module of the plugin and every script with a ``__main__`` answers ``--help``:
 exit 0, argparse's usage, and a description of what it is. Found by reading the sources (a module-level
-``if __name__ == "__main__":``), so a new entry point is held to it without a list kept by hand."""
+``if __name__ == "__main__":``, or a package's ``__main__.py``), so a new entry point is held to it without a list kept by hand."""
 
 from __future__ import annotations
 
@@ -30,8 +30,9 @@ def entry_points() -> dict[str, tuple[list[str], str]]:
     for folder, _, files in os.walk(os.path.join(ROOT, "fixtures")):
         for name in sorted(files):
             path = os.path.join(folder, name)
-            if name.endswith(".py") and has_main(path):
-                module = ".".join([PACKAGE, *os.path.relpath(path, os.path.join(ROOT, "fixtures"))[:-3].split(os.sep)])
+            if name == "__main__.py" or (name.endswith(".py") and has_main(path)):
+                parts = os.path.relpath(path, os.path.join(ROOT, "fixtures"))[:-3].split(os.sep)
+                module = ".".join([PACKAGE, *(parts[:-1] if name == "__main__.py" else parts)])  # a package's own
                 found[module] = ([sys.executable, "-m", module], path)
     for name in sorted(os.listdir(os.path.join(ROOT, "scripts"))):
         path = os.path.join(ROOT, "scripts", name)
