@@ -331,6 +331,23 @@ def test_a_gating_leg_runs_in_kerass_container():
     assert compiler["if"] == "inputs.container != ''" and "build-essential" in compiler["run"]
 
 
+def test_every_job_runs_in_the_legs_container():
+    """Issue 56, item 8: the plan and merge jobs run where the legs do. A caller's runner may offer only
+    its container (no Python on the host for setup-python), so each job takes ``inputs.container``, and
+    setup-python runs only without one; the plan job needs bash and coreutils, which a python:* image has."""
+    from tests.workflows import REUSABLE, workflow
+
+    jobs = workflow(REUSABLE)["jobs"]
+    assert set(jobs) == {"plan", "conformance", "merge"}
+    for name, job in jobs.items():
+        assert job["container"] == "${{ inputs.container }}", name
+        for step in job["steps"]:
+            if str(step.get("uses", "")).startswith("actions/setup-python@"):
+                assert step["if"] == "inputs.container == ''", name
+    plan = jobs["plan"]["steps"][0]
+    assert plan["shell"] == "bash" and set(re.findall(r"\$\((\w+)", plan["run"])) <= {"seq"}
+
+
 def test_what_a_maintainer_meets_is_set():
     """Issue 41, item 6: a report-only leg cannot fail the run (job-level continue-on-error: a failed
     install or checkout included); the job's time limit is an input; pip's downloads are cached;
