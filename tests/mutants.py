@@ -820,6 +820,31 @@ ON_BATCH_CASES = (
 CASES = (*CASES, *ON_BATCH_CASES)
 
 
+def crashes_one_run_in(n: int) -> Mutant:
+    """Rank 0 dies by SIGSEGV in its first ``train_on_batch`` under ``ModelParallel`` in one process of
+    ``n`` (a count kept next to the module, in the mutant's tree): a race in a library that shows one
+    run in ``n``. With ``n`` 2 the first run of a cell crashes and its rerun on fresh ranks passes; with
+    1 every run crashes. Not under ``DataParallel``, which the build probe's ``train_on_batch`` runs."""
+    return Mutant(
+        f"train-on-batch-crashes-1-in-{n}",
+        f"a crash one run in {n} (a race in a library): rank 0 dies by SIGSEGV in train_on_batch",
+        (Patch(TORCH + "trainer.py", '        self._assert_compile_called("train_on_batch")\n',
+               '        self._assert_compile_called("train_on_batch")\n'
+               '        global _MUTANT_COUNTED  # mutant: one process in N of rank 0 crashes in its first train_on_batch\n'
+               '        distribution = __import__("keras").distribution.distribution()\n'
+               '        if "_MUTANT_COUNTED" not in globals() and type(distribution).__name__ == "ModelParallel":\n'
+               '            _MUTANT_COUNTED = True\n'
+               '            if dist.get_rank() == 0:\n'
+               '                import os, signal\n'
+               '                count = os.path.join(os.path.dirname(__file__), ".mutant-runs")\n'
+               '                runs = int(open(count).read()) if os.path.exists(count) else 0\n'
+               '                with open(count, "w") as f:\n'
+               '                    f.write(str(runs + 1))\n'
+               f'                if runs % {n} == 0:\n'
+               '                    os.kill(os.getpid(), signal.SIGSEGV)\n'),),
+    )
+
+
 # [lora] issue 27, item 2: LoRA fine-tuning on a sharded model.
 #: The LoRA cells the LoRA mutants run, on the layouts that split the kernels and on DataParallel,
 #: and MLP cells they must not reach.
