@@ -140,7 +140,7 @@ def rerecord_lines(record: dict) -> list[str]:
 
 
 def expectation_entries(text: str):
-    from keras_dtensor_conformance.report.expectations import read
+    from keras_dtensor_conformance.report.expectations_file import read
 
     with tempfile.TemporaryDirectory() as tmp:
         path = pathlib.Path(tmp) / "expectations.txt"

@@ -5,7 +5,8 @@ from __future__ import annotations
 import types
 
 import pytest
-from keras_dtensor_conformance.report.expectations import Book, Expectations, parse_line, read, write
+from keras_dtensor_conformance.report.expectations import Book, Expectations
+from keras_dtensor_conformance.report.expectations_file import parse_line, read, write
 
 REFUSED = "jit_compile=True but dynamo compiled no graph (`jit_compile=True` is not supported with `ModelParallel`)"
 

@@ -6,7 +6,8 @@ import importlib.metadata
 import pathlib
 
 import pytest
-from keras_dtensor_conformance.report.expectations import Expectations, read, read_torch, torch_matches
+from keras_dtensor_conformance.report.expectations import Expectations
+from keras_dtensor_conformance.report.expectations_file import read, read_torch, torch_matches
 from keras_dtensor_conformance.torch_internals import CHECKED_ON, TORCH_FLOOR
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -134,7 +135,7 @@ def test_a_session_on_another_torch_is_one_error_line_and_update_rewrites_it(inn
     """In a session: the file for torch 2.12 is refused with one ``ERROR:`` line (exit 4, no cell
     run); ``--update-expectations`` alone re-records it with this torch's line (read back on this
     torch: ``test_update_writes_the_running_torch_and_reads_back``)."""
-    from keras_dtensor_conformance.report.expectations import torch_release
+    from keras_dtensor_conformance.report.expectations_file import torch_release
     from keras_dtensor_conformance.torch_internals import installed_torch
 
     inner.pytester.makepyfile(CELLS)

@@ -230,7 +230,7 @@ def test_bad_input_is_one_line(tmp_path):
 def test_the_merged_run_writes_the_expectations_one_run_would(tmp_path):
     """``--update-expectations`` on the merge: the glob no cell fails any more is dropped (only the
     whole run knows), the new failure gets an entry, the entry that still fits stays."""
-    from keras_dtensor_conformance.report.expectations import read
+    from keras_dtensor_conformance.report.expectations_file import read
 
     merged = merge.merge(sliced(tmp_path))
     assert merge.update_expectations(merged, str(tmp_path / "new.txt")) == 2

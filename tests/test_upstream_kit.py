@@ -97,7 +97,7 @@ def test_keras_zizmor_job_stays_green_on_the_kit():
 
 
 def test_the_expectations_parse_and_name_torch_2_13():
-    from keras_dtensor_conformance.report.expectations import read, read_torch, torch_matches
+    from keras_dtensor_conformance.report.expectations_file import read, read_torch, torch_matches
 
     entries = read(str(EXPECTATIONS))
     assert entries
@@ -106,7 +106,7 @@ def test_the_expectations_parse_and_name_torch_2_13():
 
 
 def test_every_expectation_fits_a_cell_of_the_recorded_run(record):
-    from keras_dtensor_conformance.report.expectations import read
+    from keras_dtensor_conformance.report.expectations_file import read
 
     _, verdicts = upstream_kit.writer_inputs(record)
     unmatched = [e.cell for e in read(str(EXPECTATIONS))
@@ -116,7 +116,8 @@ def test_every_expectation_fits_a_cell_of_the_recorded_run(record):
 
 def test_every_failing_cell_of_the_recorded_run_is_expected(record):
     """The gate starts green on the commit the file was recorded on: each failure has an entry it fits."""
-    from keras_dtensor_conformance.report.expectations import Book, read
+    from keras_dtensor_conformance.report.expectations import Book
+    from keras_dtensor_conformance.report.expectations_file import read
 
     book = Book(read(str(EXPECTATIONS)))
     _, verdicts = upstream_kit.writer_inputs(record)
@@ -128,7 +129,7 @@ def test_every_failing_cell_of_the_recorded_run_is_expected(record):
 def test_the_caller_runs_on_the_torch_and_nproc_the_expectations_were_recorded_on(record):
     """The session refuses an expectations file whose ``# torch:`` line does not name the running
     torch: a caller that installs another torch (``torch-version: ""`` is the newest) is red on every run."""
-    from keras_dtensor_conformance.report.expectations import read_torch, torch_matches
+    from keras_dtensor_conformance.report.expectations_file import read_torch, torch_matches
 
     from tests.workflows import reusable_defaults
 

@@ -11,7 +11,7 @@ import re
 import keras_dtensor_conformance
 import pytest
 from keras_dtensor_conformance import verdicts
-from keras_dtensor_conformance.report import expectations, grid, html
+from keras_dtensor_conformance.report import expectations_file, grid, html
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -52,9 +52,9 @@ def missing_views(verdict: verdicts.Verdict) -> list[str]:
         missing.append("docs/verdicts-and-expectations.md's verdicts table")
     if verdict.failure:
         try:
-            expectations.parse_line("expected.txt", 1, f"test_fit[x]  {verdict.name}  why")
+            expectations_file.parse_line("expected.txt", 1, f"test_fit[x]  {verdict.name}  why")
         except Exception:  # noqa: BLE001 - the parser's refusal is what this finds
-            missing.append("report/expectations.parse_line")
+            missing.append("report/expectations_file.parse_line")
     if verdict.name not in {getattr(keras_dtensor_conformance, name, None) for name in keras_dtensor_conformance.__all__}:
         missing.append("keras_dtensor_conformance.__all__")
     return missing
@@ -70,7 +70,7 @@ def test_a_verdict_only_the_registry_knows_is_missing_from_every_view():
     assert missing_views(made_up) == [
         "report/grid.SYMBOLS", "report/grid.LEGEND", "report/html's symbols", "README.md's verdicts table",
         "README.md's grid symbols", "docs/verdicts-and-expectations.md's verdicts table",
-        "report/expectations.parse_line", "keras_dtensor_conformance.__all__"]
+        "report/expectations_file.parse_line", "keras_dtensor_conformance.__all__"]
 
 
 def test_names_and_symbols_are_unique_and_every_source_is_a_kind():

@@ -93,7 +93,8 @@ def test_the_mesh_leg_gates_the_2x2_cells_on_their_own_expectations():
     """Issue 27, item 4: a gating leg at 4 ranks whose selection is the default tier's 2x2-mesh cells,
     the Keras-sharded ones among them, judged strictly by a file recorded for them; every entry of
     that file decides a cell the leg collects (none is there for nothing)."""
-    from keras_dtensor_conformance.report.expectations import Book, read, read_torch, torch_matches
+    from keras_dtensor_conformance.report.expectations import Book
+    from keras_dtensor_conformance.report.expectations_file import read, read_torch, torch_matches
     from ruamel.yaml import YAML
 
     mesh = YAML(typ="safe").load((ROOT / ".github" / "workflows" / "conformance.yml").read_text())["jobs"]["conformance-mesh"]
@@ -117,7 +118,7 @@ def test_the_floor_gates_and_the_newest_torch_reports():
     """Issue 17: a gating leg on the declared floor whose expectations say they are for it, a report-only
     leg on the newest torch (an empty torch-version: unpinned, as Keras' CI installs it), none below
     the floor; the reusable workflow installs torch unpinned when asked for no version."""
-    from keras_dtensor_conformance.report.expectations import read_torch, torch_matches
+    from keras_dtensor_conformance.report.expectations_file import read_torch, torch_matches
     from keras_dtensor_conformance.torch_internals import TORCH_FLOOR, unsupported_torch
     from ruamel.yaml import YAML
 
