@@ -4,7 +4,7 @@
 
 Makes builds from the installed Keras (copies): the baseline, and a mutant whose
 optimizer update adds ``--slowdown`` of a step's time in busy work, calibrated at run time
-(tests/mutants.py, ``slow_step``). Then runs SESSIONS pairs of pytest sessions, one benchmark
+(tests/mutants/performance.py, ``slow_step``). Then runs SESSIONS pairs of pytest sessions, one benchmark
 cell each, alternating which goes first: the mutant ``--benchmark-against`` the baseline, and the
 baseline against a second copy of itself. Prints each session's ratio and interval for wall and
 CPU time and whether ``--benchmark-ratio-fail`` flagged it, and from the pooled paired rounds of
@@ -33,7 +33,8 @@ sys.path.insert(0, ROOT)
 from keras_dtensor_conformance.bench.paired_rounds import TRIM, interval_text  # noqa: E402
 from keras_dtensor_conformance.options import RATIO_STATS as STATS  # noqa: E402
 
-from tests.mutants import slow_step, write_mutant  # noqa: E402
+from tests.mutants import write_mutant  # noqa: E402
+from tests.mutants.performance import slow_step  # noqa: E402
 
 CELL = "test_step_time and mlp-adam-dataparallel-nojit"
 

@@ -45,7 +45,7 @@ def unpacked_wheel(config: pytest.Config, requirement: str, tmp_path_factory: py
         with zipfile.ZipFile(wheel) as zf:
             zf.extractall(tree)
     # Its bytecode, once, as pip writes an installed package's: every inner session's ranks and
-    # references (and every mutant, tests/mutants.py) import this tree, and where
+    # references (and every mutant, tests/mutants/) import this tree, and where
     # PYTHONDONTWRITEBYTECODE is set (this project's machines and CI) each process would compile all
     # of Keras again. Files already compiled are only checked.
     compileall.compile_dir(str(tree), quiet=2, workers=0)

@@ -14,7 +14,8 @@ import sys
 
 import pytest
 
-from tests.mutants import SLOW_OPTIMIZER, write_mutant
+from tests.mutants import write_mutant
+from tests.mutants.performance import SLOW_OPTIMIZER
 from tests.test_mutants import session_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

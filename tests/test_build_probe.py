@@ -1,7 +1,7 @@
 """The build probe measures what a build can do, and a build without torch distribution
 support skips every cell (said once) unless an option says it must have it.
 
-The builds are mutants of the default build (tests/mutants.py): a fork that ships
+The builds are mutants of the default build (tests/mutants/): a fork that ships
 keras/src/backend/torch/distribution_lib.py but sets the backend's ``distribution_lib`` to
 None (as keras 3.15.1 does), one whose torch mesh conversion raises, and a trainer that never
 wraps the model in DDP. A probe that looked for files, or searched the trainer's source for
@@ -224,7 +224,7 @@ def test_data_parallel_is_measured_in_the_ranks_world(keras_nightly_tree, tmp_pa
 def test_data_parallel_is_judged_by_synchronised_gradients_not_by_ddp(keras_nightly_tree, tmp_path):
     """A correct build written differently: no DistributedDataParallel, every gradient all-reduced
     and averaged after backward. It synchronises, so it supports DataParallel."""
-    from tests.mutants import DATAPARALLEL_WITHOUT_DDP
+    from tests.mutants.performance import DATAPARALLEL_WITHOUT_DDP
 
     build = probe(write_mutant(keras_nightly_tree, str(tmp_path / "tree"), DATAPARALLEL_WITHOUT_DDP), tmp_path)
     assert build.capabilities == FULL_SUPPORT

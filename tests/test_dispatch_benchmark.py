@@ -15,6 +15,7 @@ from keras_dtensor_conformance.controller.rank_pool import RankPool
 from keras_dtensor_conformance.rank import calls as rank_calls
 
 from tests import mutants
+from tests.mutants.state_keeping import STATE_KEEPING
 from tests.test_fresh_verdicts import SELECTION, run_selection
 
 
@@ -81,7 +82,7 @@ def test_tier_time(benchmark, kind, keras_nightly_tree, tmp_path):
     a saved one (``--benchmark-compare``). The session's verdicts are its own business here: the
     order self-test checks them."""
     name = BUILD_KINDS[kind]
-    mutant = next((m for m in (*mutants.STATE_KEEPING, *(case.mutant for case in mutants.CASES)) if m.name == name),
+    mutant = next((m for m in (*STATE_KEEPING, *(case.mutant for case in mutants.CASES)) if m.name == name),
                   None)
     assert (mutant is None) == (name is None), f"no kit mutant {name!r}"
     tree = keras_nightly_tree if mutant is None else mutants.write_mutant(keras_nightly_tree, str(tmp_path / "tree"),

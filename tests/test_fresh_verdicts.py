@@ -1,6 +1,6 @@
 """Every verdict is the one a fresh process gets (issue 39): one selection of cells run forward,
 reversed and under ``--isolation fresh`` gets the same verdicts, on the default build (60 cells) and
-on builds that keep state for their process's life (``mutants.STATE_KEEPING``), which are right in a
+on builds that keep state for their process's life (``mutants.state_keeping.STATE_KEEPING``), which are right in a
 fresh process (the 20 of those cells their state changes where ranks are not as fresh ones would be).
 The default build's selection in three slices merges into its forward run's report (issue 42). And
 ``rank/leftovers.py`` finds each kind of state it names."""
@@ -21,6 +21,7 @@ import torch
 from keras_dtensor_conformance.rank import isolation, leftovers
 from keras_dtensor_conformance.report import merge
 from tests import mutants
+from tests.mutants.state_keeping import STATE_KEEPING
 from tests.test_mutants import ROOT, session_env
 from tests.test_newest_python import EXPECTATIONS
 
@@ -90,7 +91,7 @@ STATE_SELECTION = tuple(f"conformance/{cell}" for cell in (
     "test_setup.py::test_setup[model-parallel]",
 ))
 RUNS = ("forward", "reversed", "fresh")
-BUILDS = ("default", *(m.name for m in mutants.STATE_KEEPING))
+BUILDS = ("default", *(m.name for m in STATE_KEEPING))
 #: The cells each build runs: the default build all of the selection (issue 39 asked for at least 60).
 CELLS = {build: SELECTION if build == "default" else STATE_SELECTION for build in BUILDS}
 
@@ -167,7 +168,7 @@ def selection_runs(request, keras_nightly_tree, tmp_path_factory):
     def queue(build: str) -> None:
         if build in jobs:
             return
-        mutant = next((m for m in mutants.STATE_KEEPING if m.name == build), None)
+        mutant = next((m for m in STATE_KEEPING if m.name == build), None)
         tree = keras_nightly_tree if mutant is None else mutants.write_mutant(
             keras_nightly_tree, str(base / build), mutant)
         jobs[build] = {}
@@ -233,7 +234,7 @@ def test_three_slices_merge_into_the_whole_runs_report(selection_runs):
 
 @pytest.mark.slow
 @pytest.mark.timeout(RUNS_TIMEOUT)
-@pytest.mark.parametrize("build", [m.name for m in mutants.STATE_KEEPING])
+@pytest.mark.parametrize("build", [m.name for m in STATE_KEEPING])
 def test_a_state_keeping_build_is_judged_as_in_a_fresh_process(build, selection_runs):
     """Right in a fresh process: its verdicts are the default build's, but for the scenario that
     changes the distribution inside one process on purpose; and its ranks were replaced for what
@@ -378,7 +379,7 @@ def test_reproducers_run_in_fresh_processes_confirm_or_mark_each_cluster(keras_n
     """On a state-keeping build, the compiled op's cluster (the build's own compile-fallback) is
     reproduced by its script in fresh processes; a failure that needs the suite's ranks is marked as
     not reproduced, in the JSON and under its cluster."""
-    once = next(m for m in mutants.STATE_KEEPING if m.name == "promotion-mode-once")
+    once = next(m for m in STATE_KEEPING if m.name == "promotion-mode-once")
     build = mutants.write_mutant(keras_nightly_tree, str(tmp_path / "build"), mutants.Mutant(
         "promotion-mode-once-suite-only-relu", "both", (*once.patches, SUITE_ONLY_RELU)))
     report, repro = tmp_path / "report.json", tmp_path / "repro"

@@ -1,6 +1,6 @@
 """Proof that the suite catches real bugs: each mutant build gets exactly the verdicts it must.
 
-Every mutant (tests/mutants.py) is the default build with one bug put back in, run through the
+Every mutant (tests/mutants/) is the default build with one bug put back in, run through the
 suite with --keras-path on a small tier of cells. The cells the bug reaches must get the named
 verdict and every other cell of the tier must still pass: no collateral noise. The unmutated
 build passes the same tier, but for its own bugs that a correct rewrite's tier holds

@@ -130,9 +130,10 @@ def test_a_kit_build_that_crashes_one_run_in_two_keeps_the_gate_green(one_in, ke
     cell marked intermittent, the run is green and the report says intermittent; the same entry on a
     build that crashes every time is red. Either way the story has the dying thread's native stack."""
     from tests import mutants
+    from tests.mutants.on_batch import crashes_one_run_in
     from tests.test_mutants import session_env
 
-    tree = mutants.write_mutant(keras_nightly_tree, str(tmp_path / "keras"), mutants.crashes_one_run_in(one_in))
+    tree = mutants.write_mutant(keras_nightly_tree, str(tmp_path / "keras"), crashes_one_run_in(one_in))
     expect = tmp_path / "expect.txt"
     expect.write_text("test_on_batch[train_on_batch-colshard]  intermittent  /SIGSEGV/  a race: one run in two\n")
     report = tmp_path / "report.json"

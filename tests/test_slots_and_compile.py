@@ -2,7 +2,7 @@
 (conformance/compile_evidence.py): each passes what the default build really does and fails each
 way of being short, with a message that names what is missing.
 
-The mutants ``slots-renamed`` and ``graph-break-mid-step`` (tests/mutants.py) prove the same on
+The mutants ``slots-renamed`` and ``graph-break-mid-step`` (tests/mutants/training.py) prove the same on
 real patched builds; these tests pin the rules on evidence, and the slot matching on a real run.
 """
 
