@@ -1,6 +1,6 @@
 """What a maintainer reads first (issue 41, item 6): the unexpected results open the Markdown job
 summary and become GitHub ``::error`` annotations; the header names the versions that tell CI legs
-apart. Built from synthetic records, as test_promises.py does."""
+apart. Built from synthetic records (tests/promise_records.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from keras_dtensor_conformance.report.compare import compare_reports
 from keras_dtensor_conformance.report.markdown import markdown
 from keras_dtensor_conformance.report.results import build_report
 
-from tests.test_promises import record
+from tests.promise_records import record
 
 BANNER = {"keras_version": "3.16", "torch_version": "2.13.0+cpu", "python_version": "3.11.7",
           "numpy_version": "2.4.6", "jax_version": "0.10.2", "nproc": 2, "backend": "gloo"}
