@@ -128,7 +128,8 @@ ON_BATCH_CELL = "conformance/test_on_batch.py::test_on_batch[train_on_batch-cols
 def test_a_kit_build_that_crashes_one_run_in_two_keeps_the_gate_green(one_in, keras_nightly_tree, tmp_path):
     """The gate on a real cell of a kit build whose rank 0 dies by SIGSEGV one run in two: with the
     cell marked intermittent, the run is green and the report says intermittent; the same entry on a
-    build that crashes every time is red. Either way the story has the dying thread's native stack."""
+    build that crashes every time is red. With --rank-native-stacks the story has the dying thread's
+    native stack and the headline its innermost native frame; without it, neither."""
     from tests import mutants
     from tests.mutants.on_batch import crashes_one_run_in
     from tests.test_mutants import session_env
@@ -137,12 +138,17 @@ def test_a_kit_build_that_crashes_one_run_in_two_keeps_the_gate_green(one_in, ke
     expect = tmp_path / "expect.txt"
     expect.write_text("test_on_batch[train_on_batch-colshard]  intermittent  /SIGSEGV/  a race: one run in two\n")
     report = tmp_path / "report.json"
+    native = ["--rank-native-stacks"] if one_in == 2 else []
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--keras-path={tree}",
-                           "--conformance-expect", str(expect), "--conformance-json", str(report), ON_BATCH_CELL],
+                           "--conformance-expect", str(expect), "--conformance-json", str(report), *native,
+                           ON_BATCH_CELL],
                           cwd=ROOT, env=session_env(), capture_output=True, text=True, timeout=900)
     (cell,) = json.loads(report.read_text())["cells"]
     assert cell["verdict"] == "crash", proc.stdout[-3000:]
-    assert "killed by signal 11 (SIGSEGV)" in cell["message"] and "SIGSEGV(11), PID:" in cell["text"]
+    assert "killed by signal 11 (SIGSEGV) in train_on_batch (trainer.py:" in cell["message"]
+    # --rank-native-stacks: torch's native stack of the thread that died, and its innermost frame in the headline
+    assert ("SIGSEGV(11), PID:" in cell["text"]) == bool(native)
+    assert bool(re.search(r"\(trainer\.py:\d+\) at kill \(libc[.\w]*\)", cell["message"])) == bool(native)
     if one_in == 2:
         assert (proc.returncode, cell["outcome"], cell["intermittent"]) == (0, "xfailed", True), proc.stdout[-3000:]
         assert cell["message"].startswith("intermittent: crash on the first run, then pass on rerun")
