@@ -104,3 +104,10 @@ def test_the_promise_table_is_the_suites_promises():
         rows.append(cells(line))
     assert rows == [[f"`{p.name}`", f"{p.title}: {p.scope}"] for p in PROMISES]
     assert all(p.scope for p in PROMISES), "every promise says what its checks prove"
+
+
+def test_the_layout_table_names_every_script():
+    """README's ``scripts/`` row says what each script is for: a script added there is named, or this fails."""
+    row = next(line for line in README.read_text(encoding="utf-8").splitlines() if line.startswith("| `expectations/`, `scripts/`"))
+    scripts = sorted(p.name for p in (ROOT / "scripts").glob("*.py"))
+    assert scripts and [name for name in scripts if f"`{name}`" not in row] == []

@@ -5,7 +5,6 @@ its family's mean; bad input one line."""
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -14,17 +13,9 @@ import pytest
 
 from keras_dtensor_conformance.slicing import durations, estimate
 
+from tests.slice_dump import collected
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def collected(tmp_path, *args: str) -> list[list[str]]:
-    """(nodeid, family) of what a session selects, from its collection alone."""
-    out = tmp_path / f"dump-{len(list(tmp_path.iterdir()))}.json"
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q",
-                           "-p", "tests.slice_dump", *args], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "KDC_SLICE_DUMP": str(out)}, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    return json.loads(out.read_text())
 
 
 def test_the_plan_is_a_partition_longest_first():
