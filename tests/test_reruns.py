@@ -148,6 +148,7 @@ def test_a_kit_build_that_crashes_one_run_in_two_keeps_the_gate_green(one_in, ke
     assert "killed by signal 11 (SIGSEGV) in train_on_batch (trainer.py:" in cell["message"]
     # --rank-native-stacks: torch's native stack of the thread that died, and its innermost frame in the headline
     assert ("SIGSEGV(11), PID:" in cell["text"]) == bool(native)
+    assert ("the other threads' native stacks" in cell["text"]) == bool(native)  # the dying thread's alone
     assert bool(re.search(r"\(trainer\.py:\d+\) at kill \(libc[.\w]*\)", cell["message"])) == bool(native)
     if one_in == 2:
         assert (proc.returncode, cell["outcome"], cell["intermittent"]) == (0, "xfailed", True), proc.stdout[-3000:]
