@@ -14,6 +14,7 @@ import re
 import pytest
 
 from tests.slice_dump import collected
+from tests.test_readme import rows_below
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MATRIX = ROOT / "docs" / "matrix.md"
@@ -38,13 +39,7 @@ def tiers(tmp_path_factory) -> dict[str, list[list[str]]]:
 def tier_table() -> list[list[str]]:
     """docs/matrix.md's tier table: family, test functions, default tier, --full."""
     lines = MATRIX.read_text(encoding="utf-8").splitlines()
-    start = lines.index("| family | test functions | default tier | `--full` |")
-    rows = []
-    for line in lines[start + 2:]:
-        if not line.startswith("|"):
-            break
-        rows.append([cell.strip() for cell in line.strip("|").split("|")])
-    return rows
+    return rows_below(lines, lines.index("| family | test functions | default tier | `--full` |"))
 
 
 def test_the_tier_table_counts_what_each_tier_collects(tiers):

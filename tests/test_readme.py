@@ -29,17 +29,22 @@ def code(cell: str) -> str | None:
     return found.group(1) if found else None
 
 
+def rows_below(lines: list[str], header: int) -> list[list[str]]:
+    """The cells of a Markdown table's rows: those below its header (line ``header``) and separator."""
+    rows = []
+    for line in lines[header + 2:]:
+        if not line.lstrip().startswith("|"):
+            break
+        rows.append(cells(line))
+    return rows
+
+
 def options_table(text: str) -> list[list[str]]:
     """The rows of the table whose header is ``HEADER``, below its separator row."""
     lines = text.splitlines()
     starts = [i for i, line in enumerate(lines) if line.lstrip().startswith("|") and cells(line) == HEADER]
     assert len(starts) == 1, f"README needs one options table with the columns {HEADER}, found {len(starts)}"
-    rows = []
-    for line in lines[starts[0] + 2:]:
-        if not line.lstrip().startswith("|"):
-            break
-        rows.append(cells(line))
-    return rows
+    return rows_below(lines, starts[0])
 
 
 def shown(default) -> str | None:
@@ -96,12 +101,7 @@ def test_the_promise_table_is_the_suites_promises():
     from conformance.promises import PROMISES
 
     lines = README.read_text(encoding="utf-8").splitlines()
-    start = lines.index("| promise | what its checks prove, and where they cannot |")
-    rows = []
-    for line in lines[start + 2:]:
-        if not line.startswith("|"):
-            break
-        rows.append(cells(line))
+    rows = rows_below(lines, lines.index("| promise | what its checks prove, and where they cannot |"))
     assert rows == [[f"`{p.name}`", f"{p.title}: {p.scope}"] for p in PROMISES]
     assert all(p.scope for p in PROMISES), "every promise says what its checks prove"
 
