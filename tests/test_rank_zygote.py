@@ -59,3 +59,27 @@ def test_the_ranks_and_their_replacements_are_forked_ready_from_the_pools_zygote
     assert keras_ranks.rank_zygote is rank_zygote  # the same zygote served the replacement
     # What the build's import read: the backend, so another backend's ranks are not served.
     assert "KERAS_BACKEND" in rank_zygote.info["build"]["environ"]
+
+
+TRACED = '''
+def traced(x):
+    return x.sin() + 1
+'''
+
+
+def test_the_files_a_ranks_trace_read_are_read_by_the_pools_zygote_for_the_ranks_after(keras_ranks, rank_zygote,
+                                                                                     tmp_path):
+    """A rank says which source files its traces read whole (dynamo names the functions of a trace's
+    lines by tokenizing their file, once per process); its pool's zygote reads them, so the ranks
+    forked after find them read, as they would after their own first trace."""
+    path = str(tmp_path / "traced_here.py")
+    with open(path, "w") as f:
+        f.write(TRACED)
+    keras_ranks.kill("a test's replacement")
+    first = keras_ranks.run(torch_cells.trace_file, path)
+    assert [v for v in first.values] == [{"read_before": False, "read_after": True}] * keras_ranks.nproc
+    assert all(path in o.source_names for o in first.outcomes)
+    keras_ranks.kill("a test's replacement")
+    again = keras_ranks.run(torch_cells.source_names_as_read, path)
+    assert again.values == [{"read": True, "same": True}] * keras_ranks.nproc
+

@@ -209,3 +209,28 @@ def forked_ready() -> dict:
     from keras_dtensor_conformance.rank import isolation
 
     return {"inherited": isolation.inherited_build() is not None, "ppid": os.getppid(), "pid": os.getpid()}
+
+
+def trace_file(path: str) -> dict:
+    """Compile and run the function ``traced`` of the module at ``path`` (a file no trace of this
+    session read before): whether dynamo had read the file before, and has after."""
+    import importlib.util
+
+    read_before = path in torch_internals.source_names_read()
+    spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.compile(module.traced, backend="eager")(torch.ones(2))
+    return {"read_before": read_before, "read_after": path in torch_internals.source_names_read()}
+
+
+def source_names_as_read(path: str) -> dict:
+    """Whether dynamo's names for the lines of ``path`` were read before this rank asked, and are those
+    reading it now gives."""
+    from torch._dynamo import funcname_cache
+
+    had = funcname_cache.cache.get(path)
+    funcname_cache.cache.pop(path, None)
+    funcname_cache.get_funcname(path, 0)
+    return {"read": had is not None, "same": had == funcname_cache.cache[path]}
+
