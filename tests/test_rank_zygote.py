@@ -77,9 +77,8 @@ def test_the_files_a_ranks_trace_read_are_read_by_the_pools_zygote_for_the_ranks
         f.write(TRACED)
     keras_ranks.kill("a test's replacement")
     first = keras_ranks.run(torch_cells.trace_file, path)
-    assert [v for v in first.values] == [{"read_before": False, "read_after": True}] * keras_ranks.nproc
+    assert first.values == [{"read_before": False, "read_after": True}] * keras_ranks.nproc
     assert all(path in o.source_names for o in first.outcomes)
     keras_ranks.kill("a test's replacement")
     again = keras_ranks.run(torch_cells.source_names_as_read, path)
     assert again.values == [{"read": True, "same": True}] * keras_ranks.nproc
-

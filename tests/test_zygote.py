@@ -102,16 +102,17 @@ def test_a_forked_childs_first_compile_finds_its_backends_modules_imported(zygot
 
 def test_a_forked_child_finds_the_source_files_the_zygote_was_asked_to_read(zygote, tmp_path):
     """Read once in the zygote as a trace reads them (``read_source_names``), for every child after; a
-    file that cannot be read there is left for a child's own trace to meet, and the zygote serves on."""
+    file that cannot be read there, or named by a relative path, is left for a child's own trace, and the
+    zygote serves on."""
     (tmp_path / "good.py").write_text("def traced(x):\n    return x + 1\n")
     (tmp_path / "bad.py").write_text("# -*- coding: no-such-codec -*-\ndef traced(x):\n    return x\n")
     (tmp_path / "unasked.py").write_text("def traced(x):\n    return x\n")
-    zygote.read_source_names([str(tmp_path / "bad.py"), str(tmp_path / "good.py")])
-    proc, out, err = spawn(zygote, tmp_path, "source-names", *(str(tmp_path / name) for name in
-                                                               ("good.py", "bad.py", "unasked.py")))
+    zygote.read_source_names([str(tmp_path / "bad.py"), str(tmp_path / "good.py"), "relative.py"])
+    proc, out, err = spawn(zygote, tmp_path, "source-names", "relative.py", *(str(tmp_path / name) for name in
+                                                                              ("good.py", "bad.py", "unasked.py")))
     assert isinstance(proc, ForkedProcess), zygote.why_not
     assert proc.wait(timeout=60) == 0, open(err).read()
-    assert json.loads(open(out).read()) == {"good.py": True, "bad.py": False, "unasked.py": False}
+    assert json.loads(open(out).read()) == {"good.py": True, "bad.py": False, "unasked.py": False, "relative.py": False}
 
 
 def test_a_child_with_another_compiler_is_started_afresh(zygote, tmp_path):

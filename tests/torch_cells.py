@@ -233,4 +233,3 @@ def source_names_as_read(path: str) -> dict:
     funcname_cache.cache.pop(path, None)
     funcname_cache.get_funcname(path, 0)
     return {"read": had is not None, "same": had == funcname_cache.cache[path]}
-
