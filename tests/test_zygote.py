@@ -17,6 +17,7 @@ import pytest
 from keras_dtensor_conformance.controller.launch import LaunchConfig
 from keras_dtensor_conformance.controller.mother import MOTHER, MOTHER_KEY, Mother
 from keras_dtensor_conformance.controller.zygote import ZYGOTE_MODULE, ForkedProcess, Zygote, ended, shadowed
+from keras_dtensor_conformance.rank import huge_pages
 from keras_dtensor_conformance.rank.zygote import pythonpath_entries
 
 from tests import torch_cells
@@ -113,6 +114,54 @@ def test_a_forked_child_finds_the_source_files_the_zygote_was_asked_to_read(zygo
     assert isinstance(proc, ForkedProcess), zygote.why_not
     assert proc.wait(timeout=60) == 0, open(err).read()
     assert json.loads(open(out).read()) == {"good.py": True, "bad.py": False, "unasked.py": False, "relative.py": False}
+
+
+def _can_collapse() -> bool:
+    """Whether this kernel maps a process's memory by 2 MiB pages on request: MADV_COLLAPSE (Linux 6.1)
+    and transparent huge pages not turned off."""
+    try:
+        enabled = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return False
+    release = tuple(int(part) for part in os.uname().release.split(".")[:2] if part.isdigit())
+    return "[never]" not in enabled and release >= (6, 1)
+
+
+def test_a_zygote_that_forks_often_has_its_memory_in_huge_pages_and_its_children_are_as_before(zygote, tmp_path):
+    """After ``huge_pages.AFTER_FORKS`` forks the zygote maps its memory by 2 MiB pages, and says so
+    (``Zygote.huge_pages``): the children after share those pages and are the processes they were. A
+    kernel that cannot is refused, and said so: the forks go on as before."""
+    for _ in range(huge_pages.AFTER_FORKS + 1):
+        if zygote.huge_pages is not None:
+            break
+        proc, _, err = spawn(zygote, tmp_path, "exit", "0")
+        assert isinstance(proc, ForkedProcess), zygote.why_not
+        assert proc.wait(timeout=60) == 0, open(err).read()
+    said = zygote.huge_pages
+    assert said is not None and said["after_forks"] == huge_pages.AFTER_FORKS
+    proc, out, err = spawn(zygote, tmp_path, "huge-pages")
+    assert isinstance(proc, ForkedProcess), zygote.why_not
+    assert proc.wait(timeout=60) == 0, open(err).read()
+    if _can_collapse():
+        assert said["mib"] >= 64, said  # torch's and JAX's imports alone fill more than that
+        assert json.loads(open(out).read())["mib"] > 0  # the child's fork copied 2 MiB entries
+    else:
+        assert said["mib"] == 0 and said["refused"] > 0, said
+    test_a_forked_child_is_the_process_python_m_would_start(zygote, tmp_path)
+
+
+def test_the_anonymous_ranges_are_the_private_writable_ones_without_a_file(tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text(
+        "00400000-00600000 r-xp 00000000 08:01 1 /usr/bin/python3\n"
+        "00800000-00a00000 rw-p 00200000 08:01 1 /usr/bin/python3\n"
+        "01000000-05000000 rw-p 00000000 00:00 0                          [heap]\n"
+        "7f0000000000-7f0000400000 rw-p 00000000 00:00 0 \n"
+        "7f0000400000-7f0000600000 rw-s 00000000 00:01 2 /dev/zero (deleted)\n"
+        "7f0000600000-7f0000800000 r--p 00000000 00:00 0 \n"
+        "7ffc00000000-7ffc00200000 rw-p 00000000 00:00 0                  [stack]\n"
+    )
+    assert huge_pages.anonymous_ranges(str(maps)) == [(0x01000000, 0x05000000), (0x7F0000000000, 0x7F0000400000)]
 
 
 def test_a_child_with_another_compiler_is_started_afresh(zygote, tmp_path):

@@ -65,5 +65,9 @@ if __name__ == "__main__":
         from torch._dynamo import funcname_cache
 
         print(json.dumps({os.path.basename(path): path in funcname_cache.cache for path in sys.argv[2:]}))
+    elif mode == "huge-pages":  # how much of what it shares with the zygote 2 MiB pages map here
+        from keras_dtensor_conformance.rank import huge_pages
+
+        print(json.dumps({"mib": huge_pages.huge_pages_mib()}))
     elif mode == "kill-self":
         os.kill(os.getpid(), signal.SIGKILL)
