@@ -12,6 +12,7 @@ from keras_dtensor_conformance.controller.zygote import Zygote
 from keras_dtensor_conformance.rank.zygote import reads_of_environ
 
 from tests import torch_cells
+from tests.own_imports import alone, imports_another_package, reads_environment
 
 
 def test_every_way_of_reading_the_environment_is_recorded(monkeypatch):
@@ -59,6 +60,23 @@ def test_the_ranks_and_their_replacements_are_forked_ready_from_the_pools_zygote
     assert keras_ranks.rank_zygote is rank_zygote  # the same zygote served the replacement
     # What the build's import read: the backend, so another backend's ranks are not served.
     assert "KERAS_BACKEND" in rank_zygote.info["build"]["environ"]
+
+
+def test_a_module_a_ranks_call_imported_alone_is_imported_by_the_pools_zygote_for_the_ranks_after(keras_ranks,
+                                                                                                rank_zygote):
+    """A rank whose call imported the call's module says so when that import imported only modules of its
+    own package and read no environment variable; its pool's zygote imports it, and the ranks forked after
+    find it imported, as they find the build. One that read the environment (it may differ by rank) or
+    imported another package's modules (in the zygote, after its baseline) is left to each rank."""
+    reads, other = reads_environment, imports_another_package
+    names = [module.__name__ for module in (alone, reads, other)]
+    keras_ranks.kill("a test's replacement")
+    assert keras_ranks.run(torch_cells.imported, names).values == [dict.fromkeys(names, False)] * keras_ranks.nproc
+    for module, said in ((alone, alone.__name__), (reads, None), (other, None)):
+        assert [o.own_import for o in keras_ranks.run(module.pid).outcomes] == [said] * keras_ranks.nproc
+    keras_ranks.kill("a test's replacement")
+    after = {alone.__name__: True, reads.__name__: False, other.__name__: False}
+    assert keras_ranks.run(torch_cells.imported, names).values == [after] * keras_ranks.nproc
 
 
 TRACED = '''

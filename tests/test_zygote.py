@@ -108,7 +108,7 @@ def test_a_forked_child_finds_the_source_files_the_zygote_was_asked_to_read(zygo
     (tmp_path / "good.py").write_text("def traced(x):\n    return x + 1\n")
     (tmp_path / "bad.py").write_text("# -*- coding: no-such-codec -*-\ndef traced(x):\n    return x\n")
     (tmp_path / "unasked.py").write_text("def traced(x):\n    return x\n")
-    zygote.read_source_names([str(tmp_path / "bad.py"), str(tmp_path / "good.py"), "relative.py"])
+    zygote.warm(source_names=[str(tmp_path / "bad.py"), str(tmp_path / "good.py"), "relative.py"])
     proc, out, err = spawn(zygote, tmp_path, "source-names", "relative.py", *(str(tmp_path / name) for name in
                                                                               ("good.py", "bad.py", "unasked.py")))
     assert isinstance(proc, ForkedProcess), zygote.why_not

@@ -233,3 +233,8 @@ def source_names_as_read(path: str) -> dict:
     funcname_cache.cache.pop(path, None)
     funcname_cache.get_funcname(path, 0)
     return {"read": had is not None, "same": had == funcname_cache.cache[path]}
+
+
+def imported(modules: list[str]) -> dict:
+    """Which of ``modules`` this rank had imported when the call began."""
+    return {name: name in sys.modules for name in modules}
