@@ -108,7 +108,7 @@ def test_a_forked_child_finds_the_source_files_the_zygote_was_asked_to_read(zygo
     (tmp_path / "good.py").write_text("def traced(x):\n    return x + 1\n")
     (tmp_path / "bad.py").write_text("# -*- coding: no-such-codec -*-\ndef traced(x):\n    return x\n")
     (tmp_path / "unasked.py").write_text("def traced(x):\n    return x\n")
-    zygote.warm(source_names=[str(tmp_path / "bad.py"), str(tmp_path / "good.py"), "relative.py"])
+    zygote.prime(source_names=[str(tmp_path / "bad.py"), str(tmp_path / "good.py"), "relative.py"])
     proc, out, err = spawn(zygote, tmp_path, "source-names", "relative.py", *(str(tmp_path / name) for name in
                                                                               ("good.py", "bad.py", "unasked.py")))
     assert isinstance(proc, ForkedProcess), zygote.why_not
@@ -130,7 +130,8 @@ def _can_collapse() -> bool:
 def test_a_zygote_that_forks_often_has_its_memory_in_huge_pages_and_its_children_are_as_before(zygote, tmp_path):
     """After ``huge_pages.AFTER_FORKS`` forks the zygote maps its memory by 2 MiB pages, and says so
     (``Zygote.huge_pages``): the children after share those pages and are the processes they were. A
-    kernel that cannot is refused, and said so: the forks go on as before."""
+    kernel that cannot is refused, and said so: the forks go on as before. (The module's zygote is shared:
+    the tests after this one fork from a collapsed zygote, as a pool's later ranks are.)"""
     for _ in range(huge_pages.AFTER_FORKS + 1):
         if zygote.huge_pages is not None:
             break
@@ -146,7 +147,7 @@ def test_a_zygote_that_forks_often_has_its_memory_in_huge_pages_and_its_children
         assert said["mib"] >= 64, said  # torch's and JAX's imports alone fill more than that
         assert json.loads(open(out).read())["mib"] > 0  # the child's fork copied 2 MiB entries
     else:
-        assert said["mib"] == 0 and said["refused"] > 0, said
+        assert said["refused"] > 0, said
     test_a_forked_child_is_the_process_python_m_would_start(zygote, tmp_path)
 
 
