@@ -6,9 +6,12 @@ ranks forked from it are those of fresh ranks is ``tests/test_fresh_verdicts.py`
 from __future__ import annotations
 
 import os
+import sys
+import types
 
 import pytest
 from keras_dtensor_conformance.controller.zygote import Zygote
+from keras_dtensor_conformance.rank import isolation, worker
 from keras_dtensor_conformance.rank.zygote import reads_of_environ
 
 from tests import torch_cells
@@ -77,6 +80,17 @@ def test_a_module_a_ranks_call_imported_alone_is_imported_by_the_pools_zygote_fo
     keras_ranks.kill("a test's replacement")
     after = {alone.__name__: True, reads.__name__: False, other.__name__: False}
     assert keras_ranks.run(torch_cells.imported, names).values == [after] * keras_ranks.nproc
+
+
+def test_a_calls_module_in_a_package_imported_at_the_baseline_is_left_to_each_rank(monkeypatch):
+    """Its package is the build's, torch's or another the zygote holds: imported there after the baseline,
+    it would be a module of that package the baseline lacks. The same import passes where the package was
+    not imported at the baseline."""
+    for at_baseline, said in ((frozenset(), alone.__name__), (frozenset({"tests"}), None)):
+        monkeypatch.setattr(isolation, "_BASELINE", types.SimpleNamespace(module_names=at_baseline))
+        monkeypatch.delitem(sys.modules, alone.__name__)  # imported again by the call, as a fresh rank's
+        function, own_import = worker.resolve(alone.__name__, "pid")
+        assert function() == os.getpid() and own_import == said
 
 
 TRACED = '''

@@ -151,6 +151,17 @@ def test_a_zygote_that_forks_often_has_its_memory_in_huge_pages_and_its_children
     test_a_forked_child_is_the_process_python_m_would_start(zygote, tmp_path)
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="the collapse reads /proc")
+def test_a_collapse_that_fails_says_why_and_does_not_raise(monkeypatch):
+    """The zygote forks on in 4 KiB pages, and the pools' line gives the error."""
+    def unreadable(maps="/proc/self/maps"):
+        raise PermissionError(maps)
+
+    monkeypatch.setattr(huge_pages, "anonymous_ranges", unreadable)
+    said = huge_pages.collapse()
+    assert said["mib"] == 0 and said["error"] == "PermissionError('/proc/self/maps')", said
+
+
 def test_the_anonymous_ranges_are_the_private_writable_ones_without_a_file(tmp_path):
     maps = tmp_path / "maps"
     maps.write_text(
