@@ -36,7 +36,7 @@ from conformance.judge.communication import over_budget, sharded_variables
 from conformance.judge.compile_evidence import compile_problems
 from conformance.judge.jax_compare import BOTH_SHARE, JAX_IS_WRONG, layout_departures, numbers_differ_from_jax
 from conformance.judge.numerics import numerics_problems, same_rows_problems
-from conformance.judge.sharding import laid_out, sharding_problems
+from conformance.judge.sharding import laid_out, sharding_problems, whole_problems
 from conformance.judge.slots import slot_problems
 
 
@@ -54,8 +54,9 @@ def sharding_checks(spec: dict, values: list[dict], nproc: int,
     ``sharding-lost`` verdict, and each of the two checks says whether it held, failed or could not
     fail (nothing laid out to hold to).
 
-    Every variable the LayoutMap shards, and every optimizer slot of it, is a DTensor as asked; and
-    every such variable has exactly the slots its optimizer keeps (``conformance.judge.slots``), so a
+    Every variable the LayoutMap shards, and every optimizer slot of it, is a DTensor as asked; every
+    variable it names no layout for, and its slots, is whole (``sharding.whole_problems``); and every
+    such sharded variable has exactly the slots its optimizer keeps (``conformance.judge.slots``), so a
     slot the rank side could not find is a failure, not an empty list that passes. The LayoutMap and
     the optimizer's slots are the specification whatever the JAX backend does; where ``jax`` (the JAX
     reference's evidence) departs from them too, the message says so (a bug of code both backends
@@ -65,8 +66,10 @@ def sharding_checks(spec: dict, values: list[dict], nproc: int,
     for rank, value in enumerate(values):
         for stage, variables in value["stages"].items():
             variable_problems += sharding_problems(layout, variables, nproc, f"rank {rank} after {stage}: ", rank=rank)
+            variable_problems += whole_problems(layout, variables, nproc, f"rank {rank} after {stage}: ")
         full = [s for s in value["slots"] if s["factor"] is None]
         slot_lines += sharding_problems(layout, full, nproc, f"rank {rank} optimizer slot ", rank=rank)
+        slot_lines += whole_problems(layout, full, nproc, f"rank {rank} optimizer slot ")
         # A frozen variable (LoRA's kernel) is not trained, so its optimizer keeps no slots for it.
         trained = [v for v in value["stages"]["fit"] if v["path"] not in value.get("frozen", ())]
         missing = slot_problems(spec["optimizer_name"], layout, trained, value["slots"], nproc,

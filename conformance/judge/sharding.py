@@ -70,3 +70,21 @@ def sharding_problems(layout: dict, variables: list[dict], nproc: int, what: str
                 f"expected {placements} local {expected}"
             )
     return problems
+
+
+def whole_problems(layout: dict, variables: list[dict], nproc: int, what: str = "") -> list[str]:
+    """The variables (slots: of their variable) ``layout``'s map names no layout for are whole on this rank:
+    a plain tensor, or a DTensor replicated on every mesh axis with the whole shape. Keras replicates a
+    variable no key names; one sharded all the same (a default layout of the build's) holds a part of a
+    tensor every rank computes with whole, and a map that shards some variables promises the rest."""
+    problems = []
+    for var in variables:
+        path = var.get("reference", var["path"])
+        if var.get("factor") is not None or not var["dtensor"]:
+            continue
+        if intended(layout, path, tuple(var["shape"]), nproc) is not None:
+            continue
+        if any(p != "R" for p in var["placements"]) or tuple(var["local_shape"]) != tuple(var["shape"]):
+            problems.append(f"{what}{var['path']}: DTensor {var['placements']} local {tuple(var['local_shape'])}, "
+                            "expected whole (the layout map names no layout for it)")
+    return problems
