@@ -195,6 +195,17 @@ _ROW = {
     ".*embeddings": ["model", None],
     ".*attention.*(query|key|value).*kernel": ["model", None, None],
 }
+#: A map as users write one for a model they did not write (issue 64, item 4): the token embeddings and the
+#: feed-forward block split Megatron-style (the first projections by column, the last by row), attention, the
+#: norms and the rest left replicated. One map for every model it is run on: its keys name the feed-forward
+#: layers of the suite's transformer (``dense_ff*``), of KerasHub's Gemma (``ffw_*``), Llama and Qwen
+#: (``feedforward_*``); KerasHub's cells run it as their ``ffn-only`` layout (``ranks/hub.LAYOUTS``).
+FFN_ONLY_MAP = {
+    ".*token_embedding/embeddings": [None, "model"],
+    ".*(dense_ff1|ffw_gating|ffw_gating_2|feedforward_gate_dense|feedforward_intermediate_dense)/kernel":
+        [None, "model"],
+    ".*(dense_ff2|ffw_linear|feedforward_output_dense)/kernel": ["model", None],
+}
 #: name -> distribution. LayoutMap keys are regexes matched with re.fullmatch, hence ".*".
 LAYOUTS = {
     "colshard": {"kind": "model-parallel", "map": _COLUMN},
@@ -212,12 +223,26 @@ LAYOUTS = {
     "batchshard-modelfirst": {"kind": "model-parallel", "map": _COLUMN, "axes": ["model", "batch"],
                               "mesh": [1, "nproc"]},
     "colshard-data": {"kind": "model-parallel", "map": _COLUMN, "axes": ["data", "model"], "batch_axis": "data"},
+    # A user's map (``FFN_ONLY_MAP``): on the language models it was written for, not in the products (the MLP's
+    # and the attention model's layers are named otherwise: it would leave them whole).
+    "ffn-only": {"kind": "model-parallel", "map": FFN_ONLY_MAP, "models": "language"},
 }
-#: The layouts of the training cells' products: every layout but the meshes named or ordered otherwise.
-MATRIX_LAYOUTS = tuple(name for name, layout in LAYOUTS.items() if "axes" not in layout)
+#: The KerasHub cells' layouts (``test_hub.py``, issue 64): ``"map": AUTHORS`` is the backbone's own
+#: ``get_layout_map(mesh)``, made on each rank (``ranks/hub.Run.distribute``) and recorded in its evidence, which
+#: the judge reads; ``ffn-only`` is the user's map above.
+AUTHORS = "get_layout_map"
+HUB_LAYOUTS = {
+    "authors": {"kind": "model-parallel", "map": AUTHORS},
+    "authors-2x2": {"kind": "model-parallel", "map": AUTHORS, "mesh": [2, 2]},
+    "ffn-only": {"kind": "model-parallel", "map": FFN_ONLY_MAP},
+    "dataparallel": {"kind": "data-parallel"},
+}
+#: The layouts of the training cells' products: every layout but the meshes named or ordered otherwise and the
+#: users' maps.
+MATRIX_LAYOUTS = tuple(name for name, layout in LAYOUTS.items() if "axes" not in layout and "models" not in layout)
 #: The training cells on those meshes (model, optimizer, data, compile, layout): in the default tier,
 #: Adam on arrays and SGD from a DataLoader, eagerly; ``--full`` adds the MLP's product over them.
-MESH_NAMING_CELLS = tuple(cell for layout in LAYOUTS if layout not in MATRIX_LAYOUTS
+MESH_NAMING_CELLS = tuple(cell for layout in LAYOUTS if "axes" in LAYOUTS[layout]
                           for cell in (("mlp", "adam", "arrays", "nojit", layout), ("mlp", "sgd", "dataloader", "eager", layout)))
 
 MODELS = ("mlp", "embedding", "attention", "batchnorm")
@@ -235,6 +260,8 @@ TRANSFORMER_DEFAULT = (
     ("transformer", "nojit", "colshard"), ("transformer", "nojit", "dataparallel"),
     ("transformer-dropout", "nojit", "colshard"), ("transformer-dropout", "nojit", "dataparallel"),
     ("transformer-frozen-ln", "nojit", "colshard"),
+    # issue 64, item 4: a user's map, the one KerasHub's cells run too.
+    ("transformer", "nojit", "ffn-only"),
 )
 #: LoRA fine-tuning (issue 27, item 2): the MLP with LoRA on both Dense layers, its LoRA kernels left
 #: to the build by the LayoutMap (``lora``) or sharded with their kernel (``lora-sharded``).
@@ -366,8 +393,9 @@ def training_cells(full: bool) -> list[tuple]:
         cells += _product(MODELS, OPTIMIZERS, ["arrays", "dataloader"], COMPILE_MODES, ["colshard", "rowshard"])
         cells += _product(MODELS, ["adam"], DATA_SOURCES, COMPILE_MODES, MATRIX_LAYOUTS)
         cells += _product(["mlp"], ["sgd", "adam"], ["arrays", "dataloader"], COMPILE_MODES,
-                          [layout for layout in LAYOUTS if layout not in MATRIX_LAYOUTS])
-        cells += _product(TRANSFORMER_MODELS, ["sgd"], ["arrays", "dataloader"], ["nojit", "jit"], MATRIX_LAYOUTS)
+                          [name for name, layout in LAYOUTS.items() if "axes" in layout])
+        cells += _product(TRANSFORMER_MODELS, ["sgd"], ["arrays", "dataloader"], ["nojit", "jit"],
+                          [*MATRIX_LAYOUTS, "ffn-only"])
     # Dict inputs build the two-input MLP whatever the row's model (ranks/train.model_name): another
     # model's dict cell would run the MLP's cell again under the other model's name.
     cells = [cell for cell in cells if cell[2] != "dict" or cell[0] == "mlp"]

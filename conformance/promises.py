@@ -35,6 +35,7 @@ from keras_dtensor_conformance import (
 from conformance import axes
 from conformance.cell_data import DROPOUT_MODELS, batch_axis, mesh_axes
 from conformance.judge import fit_checks
+from conformance.judge import hub as hub_checks
 from conformance.judge.op_checks import OP_COMPILED, OP_PLACEMENTS, OP_VALUE
 
 #: The field of a cell that carries one train step's collectives and bytes (``test_fit`` records it
@@ -43,6 +44,8 @@ COMMUNICATION = "communication"
 
 #: Layouts whose LayoutMap shards a variable (``replicated`` and ``dataparallel`` shard none).
 SHARDING_LAYOUTS = tuple(name for name, layout in axes.LAYOUTS.items() if layout.get("map"))
+#: The KerasHub cells' layouts that shard variables: the authors' maps and the user's.
+HUB_SHARDING_LAYOUTS = tuple(name for name, layout in axes.HUB_LAYOUTS.items() if layout.get("map"))
 #: Scenarios whose judge holds a kernel to its sharding (``judge.scenarios.SCENARIO_JUDGES``); the others
 #: (``iterate-dtensor``, ``clear-session-undoes-distribution``) check values or state only.
 SHARDING_SCENARIOS = {"assign-partial", "uneven-sharding", "rank0-convert-to-numpy", "rank0-callback-get-weights",
@@ -62,11 +65,34 @@ def fit(cell: dict) -> bool:
     return family(cell) == "fit"
 
 
+def hub(cell: dict) -> bool:
+    """A KerasHub cell: a causal LM's flow under its authors' map, a user's map or DataParallel (``test_hub.py``)."""
+    return family(cell) == "kerashub"
+
+
+def hub_sharded(cell: dict) -> bool:
+    """A KerasHub cell whose layout map shards variables (every layout of theirs but DataParallel)."""
+    return hub(cell) and cell["axes"].get("layout") in HUB_SHARDING_LAYOUTS
+
+
+def hub_checked_before(*verdicts: str):
+    """``kept_despite`` for a promise a KerasHub cell's checks hold before those ``verdicts``
+    (``judge/hub.hub_failure``'s order: the map, frozen variables, the layouts and slots, the step's
+    communication, the reference, every fit's numbers, generate's ids); a frozen variable that changed
+    is a ``numerics`` before all of them."""
+    return lambda cell: hub(cell) and cell["verdict"] in verdicts and not hub_frozen_changed(cell)
+
+
+def hub_frozen_changed(cell: dict) -> bool:
+    return hub(cell) and cell["verdict"] == NUMERICS and "a variable frozen during a fit changed" in (
+        cell.get("message") or "")
+
+
 def shards_variables(cell: dict) -> bool:
-    """A training cell whose layout shards a variable, or a scenario that checks a kernel's sharding."""
+    """A training or KerasHub cell whose layout shards a variable, or a scenario that checks a kernel's sharding."""
     if fit(cell):
         return cell["axes"].get("layout") in SHARDING_LAYOUTS
-    return family(cell) == "scenarios" and cell["axes"].get("scenario") in SHARDING_SCENARIOS
+    return hub_sharded(cell) or (family(cell) == "scenarios" and cell["axes"].get("scenario") in SHARDING_SCENARIOS)
 
 
 #: Layouts with several batch shards (with more than one process): each process feeds its own part.
@@ -81,9 +107,11 @@ def feeds_batch_shards(cell: dict) -> bool:
 
 
 def keeps_slots(cell: dict) -> bool:
-    """A training cell on a sharding layout whose optimizer keeps a slot per variable."""
+    """A training cell on a sharding layout whose optimizer keeps a slot per variable, or a KerasHub cell
+    on a map (whose recorded check outcomes say where no laid-out variable has a slot: SGD, LoRA's frozen
+    kernels)."""
     slots = axes.SLOTS.get(cell["axes"].get("optimizer"), {})
-    return fit(cell) and cell["axes"].get("layout") in SHARDING_LAYOUTS and any(slots.values())
+    return hub_sharded(cell) or (fit(cell) and cell["axes"].get("layout") in SHARDING_LAYOUTS and any(slots.values()))
 
 
 def about_slots(line: str) -> bool:
@@ -105,7 +133,7 @@ def variable_lost(cell: dict) -> bool:
 
 
 def slot_lost(cell: dict) -> bool:
-    return fit(cell) and any(about_slots(line) for line in lost_lines(cell))
+    return (fit(cell) or hub(cell)) and any(about_slots(line) for line in lost_lines(cell))
 
 
 def input_failure(cell: dict) -> bool:
@@ -147,8 +175,9 @@ def fit_checked_before(*verdicts: str):
 def sharding_kept_despite(lost: Callable[[dict], bool]):
     """A training cell that failed later than the sharding check, or lost only the other kind's
     sharding (one check looks at the variables and their slots together), kept this kind's."""
-    later = fit_checked_before(OVER_BUDGET, NUMERICS, COMPILE_FALLBACK)
-    return lambda cell: later(cell) or (fit(cell) and cell["verdict"] == SHARDING_LOST and not lost(cell))
+    later, hub_later = fit_checked_before(OVER_BUDGET, NUMERICS, COMPILE_FALLBACK), hub_checked_before(OVER_BUDGET, NUMERICS)
+    return lambda cell: later(cell) or hub_later(cell) or (
+        (fit(cell) or hub(cell)) and cell["verdict"] == SHARDING_LOST and not lost(cell))
 
 
 def agreement(cell: dict) -> bool:
@@ -207,7 +236,8 @@ PROMISES = (
                   "(SGD without momentum; Adafactor's factored slots may be kept whole)"),
     Promise("communication-budget", "a train step communicates within the layout's budget",
             tests=lambda cell: cell.get(COMMUNICATION) is not None, breaks=(OVER_BUDGET,),
-            kept_despite=fit_checked_before(NUMERICS, COMPILE_FALLBACK), checks=(fit_checks.STEP_COMMUNICATION,),
+            kept_despite=lambda cell: fit_checked_before(NUMERICS, COMPILE_FALLBACK)(cell)
+            or hub_checked_before(NUMERICS)(cell), checks=(fit_checks.STEP_COMMUNICATION,),
             scope="an eager ModelParallel step makes no full-size copy of a split variable, its gradient or a "
                   "slot; an eager DataParallel step synchronises each gradient once, plus scalars; not applicable "
                   "where ModelParallel splits no variable (replicated, a model axis of one) and on jit cells "
@@ -284,6 +314,20 @@ PROMISES = (
             scope="after every fit of the flow: each step's loss, every weight and the ranks' agreement against "
                   "one process running the same flow on the global batches, frozen variables bit-equal, and the "
                   "layouts where the flow makes its variables under the distribution; a flow that raises on a "
+                  "rank breaks it"),
+    # issue 64: the models users shard (test_hub.py, family "kerashub MODEL").
+    Promise("kerashub-models-train-as-one-process", "KerasHub's causal LMs under their authors' layout maps (and "
+            "a user's, and DataParallel) fit, fine-tune with LoRA, load a preset, generate and reload as one "
+            "process does", tests=hub,
+            breaks=lambda cell: hub(cell) and (cell["verdict"] in (NUMERICS, SHARDING_LOST, HANG_VERDICT)
+                                               or ranks_stopped(cell) or judged_error(cell)),
+            kept_despite=lambda cell: hub(cell) and cell["verdict"] == OVER_BUDGET,
+            checks=(fit_checks.FROZEN_UNCHANGED, fit_checks.VARIABLE_LAYOUTS, fit_checks.SLOT_LAYOUTS,
+                    hub_checks.FLOW_NUMBERS, hub_checks.GENERATED_IDS),
+            scope="every variable the map names laid out as it says after every stage and fit, its slots too, "
+                  "the others whole; after every fit each step's loss, every weight and the ranks' agreement "
+                  "against one process running the flow from the same weights, frozen variables bit-equal; "
+                  "generate's token ids against the one process's, up to a near-tie; a flow that raises on a "
                   "rank breaks it"),
     Promise("compile", "torch.compile compiles the whole step", tests=lambda cell: cell["axes"].get("compile") in (
         "jit", "compiled"), breaks=(COMPILE_FALLBACK, COMPILE_TIMEOUT), checks=(fit_checks.COMPILED, OP_COMPILED),

@@ -166,5 +166,40 @@ def _judge(evidence):
 ''',
 )
 
+KERASHUB = Family(
+    name="KerasHub",
+    prefix="kerashub",
+    modules=(*TRAINING.modules, "conformance.judge.workflows", "conformance.ranks.hub", "conformance.judge.hub"),
+    spec_comment=("The cell, literally: the KerasHub model, the flow, the layout (the authors' map is made on each rank). "
+                  "KerasHub must be importable too (installed, or PYTHONPATH=/path/to/keras-hub-checkout)."),
+    code='''
+#: What a run that does not reproduce did.
+_PASSED = ("ran the flow and passed the suite's checks (the map's layouts, slots and the rest whole, every "
+           "fit's numbers and generate's ids against one process running the same flow)")
+
+
+def _cell(spec, distributed=True):
+    """``run_hub``; a flow that writes a preset writes it into a folder of this process's own."""
+    import tempfile
+
+    return run_hub(dict(spec, folder=tempfile.mkdtemp()) if "folder" in spec else spec, distributed)
+
+
+def _reference_spec(spec):
+    return dict(spec, layout={"kind": "single"}, layout_name="single", compile="nojit")
+''' + _WITH_REFERENCE + '''
+
+def _judge(evidence):
+    """The suite's own checks in the suite's order (hub_failure, conformance/judge/hub.py, inlined
+    above): (verdict, message) or None."""
+    values, reference = evidence
+    skips = [v["skip"] for v in values if "skip" in v]
+    if skips:
+        print(f"not run: {skips[0]}", flush=True)
+        return None
+    return hub_failure(SPEC, values, reference)
+''',
+)
+
 #: What ``conftest.pytest_conformance_reproducer_families`` offers the plugin.
-FAMILIES = (TRAINING, OPS, WORKFLOWS)
+FAMILIES = (TRAINING, OPS, WORKFLOWS, KERASHUB)

@@ -22,7 +22,7 @@ from keras_dtensor_conformance import (
     fail,
 )
 
-from conformance.judge import agreement, data_sharding, fit_checks, on_batch, op_checks, oracle, workflows
+from conformance.judge import agreement, data_sharding, fit_checks, hub, on_batch, op_checks, oracle, workflows
 from conformance.cell_data import batch_part
 
 
@@ -166,6 +166,22 @@ def judge_workflow(spec: dict, result, reference, flow) -> None:
     if not reference.ok:
         raise CellFailure(ERROR, "the single-process reference failed:\n" + reference.story(), reference)
     raise_found(workflows.workflow_failure(spec, result.values, reference.values[0], flow.layout_phases), result)
+
+
+def judge_hub(spec: dict, result, reference, record=None) -> None:
+    """A KerasHub cell: ran everywhere (a flow that cannot run here skips with the reason), then
+    ``hub.hub_checks``' checks against one process running the same flow from the same weights, each one's
+    outcome handed to ``record`` (the ``record_checks`` fixture) before the verdict is raised."""
+    ran_everywhere(result)
+    skips = [v["skip"] for v in result.values if "skip" in v]
+    if skips:
+        pytest.skip(skips[0])
+    if not reference.ok:
+        raise CellFailure(ERROR, "the single-process reference failed:\n" + reference.story(), reference)
+    found, outcomes = hub.hub_checks(spec, result.values, reference.values[0])
+    if record is not None:
+        record(outcomes)
+    raise_found(found, result)
 
 
 # ---------------------------------------------------------------- Keras-sharded data cells
