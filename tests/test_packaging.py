@@ -53,7 +53,9 @@ def test_the_default_build_and_the_cpu_pin_are_opt_in():
     assert pins == ["torch==2.13.0"]
     for path in (".ci/run", "README.md"):
         with open(os.path.join(ROOT, path), encoding="utf-8") as f:
-            assert '-c constraints-cpu.txt -e ".[default-build,jax,test]"' in f.read(), path
+            text = f.read()
+            assert '-c constraints-cpu.txt -e ".[default-build,jax,test,hub]"' in text, path
+            assert "--no-deps -r requirements-hub.txt" in text, path
 
 
 def test_installing_the_plugin_keeps_the_installed_torch(tmp_path):
@@ -74,3 +76,24 @@ def test_installing_the_plugin_keeps_the_installed_torch(tmp_path):
     installs = {i["metadata"]["name"].lower() for i in json.loads(report.read_text())["install"]}
     assert "+" in torch.__version__
     assert "torch" not in installs and not {"keras", "keras-nightly"} & installs, installs
+
+
+def test_kerashub_installs_without_replacing_the_build_or_bringing_tensorflow(tmp_path):
+    """``pip install --dry-run``: the ``hub`` extra (KerasHub's dependencies) and requirements-hub.txt with
+    ``--no-deps`` (KerasHub itself) install neither the ``keras`` distribution, which would be written over
+    the build under test, nor TensorFlow, which a plain install of the same KerasHub brings (its metadata
+    asks for keras>=3.15 and tensorflow-text: requirements-hub.txt)."""
+    def installs(*args: str) -> set[str]:
+        report = tmp_path / "report.json"
+        proc = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--report", str(report),
+                               *args], capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return {i["metadata"]["name"].lower() for i in json.loads(report.read_text())["install"]}
+
+    needed = project()["optional-dependencies"]["hub"]
+    extra = installs("--ignore-installed", *needed)  # what the extra brings, as into an empty environment
+    hub = installs("--ignore-installed", "--no-deps", "-r", os.path.join(ROOT, "requirements-hub.txt"))
+    assert hub == {"keras-hub-nightly"}
+    assert "grain" in extra and "sentencepiece" in extra, extra
+    for unwanted in ("keras", "keras-nightly", "tensorflow", "tensorflow-text", "keras-hub-nightly"):
+        assert unwanted not in extra, extra
