@@ -270,6 +270,7 @@ def test_every_promise_and_every_check_is_broken_by_a_mutant(mutant_runs, reques
     and each check that can say "held" failed in some mutant's cells (the evidence the promise
     counts). A promise or check no mutant of the kit breaks fails here: add the mutant."""
     from conformance.judge.fit_checks import CHECKS
+    from conformance.judge.hub import CHECKS as HUB_CHECKS
     from conformance.judge.op_checks import OP_CHECKS
     from conformance.promises import PROMISES
 
@@ -277,7 +278,7 @@ def test_every_promise_and_every_check_is_broken_by_a_mutant(mutant_runs, reques
     if not names <= set(mutant_runs):
         pytest.skip("needs every mutant's session: run tests/test_mutants.py whole")
     broken: dict[str, list[str]] = {p.name: [] for p in PROMISES}
-    failed: dict[str, list[str]] = {name: [] for name in (*CHECKS, *OP_CHECKS)}
+    failed: dict[str, list[str]] = {name: [] for name in (*CHECKS, *OP_CHECKS, *HUB_CHECKS)}
     for name in sorted(names):  # the mutants' reports, not the unmutated build's
         mutant_runs[name].result()
         with open(REPORTS[name]) as f:

@@ -95,7 +95,8 @@ def test_every_verdict_of_every_family_breaks_a_promise_the_cell_tests():
     """The suite's table leaves no failure out: each verdict, on a cell of each family, breaks at least one promise."""
     families = {"fit colshard": {"optimizer": "adam", "layout": "colshard", "compile": "jit"},
                 "ops compiled": {"op": "add", "compile": "compiled"}, "setup": {"entry": "initialize"},
-                "scenarios": {"scenario": "uneven-sharding"}}
+                "scenarios": {"scenario": "uneven-sharding"},
+                "kerashub gemma": {"model": "gemma", "flow": "fit-adamw", "layout": "authors"}}
     for family, axes in families.items():
         for verdict in [*VERDICTS, suite.OVER_BUDGET]:
             if verdict == "pass":
@@ -104,7 +105,7 @@ def test_every_verdict_of_every_family_breaks_a_promise_the_cell_tests():
             cell = {"id": "x", "family": family, "axes": axes, "verdict": verdict, "outcome": "failed",
                     "message": message, "cause": None}
             broken = [p.name for p in suite.PROMISES if p.broken_by(cell)]
-            if verdict == suite.OVER_BUDGET and family != "fit colshard":
+            if verdict == suite.OVER_BUDGET and family not in ("fit colshard", "kerashub gemma"):
                 continue  # the budget is a training step's
             assert broken, f"{verdict} on a {family} cell breaks no promise"
 

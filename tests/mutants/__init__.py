@@ -109,9 +109,10 @@ def fit_ids(*names: str) -> tuple[str, ...]:
 
 # ------------------------------------------------------------------ the kit: every family's cases
 # Imported here, after the kit's core above, which each family imports.
-from tests.mutants import backends, checks, data, models, on_batch, state, training, workflows  # noqa: E402
+from tests.mutants import backends, checks, data, hub, models, on_batch, state, training, workflows  # noqa: E402
 
-CASES = (*training.CASES, *data.CASES, *checks.CASES, *on_batch.CASES, *models.CASES, *state.CASES, *backends.CASES, *workflows.CASES)
+CASES = (*training.CASES, *data.CASES, *checks.CASES, *on_batch.CASES, *models.CASES, *state.CASES, *backends.CASES,
+         *workflows.CASES, *hub.CASES)
 
 
 #: Cells of some mutant's tier that the unmutated build fails, each with its verdict: the build's own bug
@@ -125,7 +126,8 @@ UNMUTATED_FAILS = {"test_metrics[max-dataparallel]": "numerics", "test_metrics[m
                        "arrays-dataparallel", "tensors-batchshard", "dataloader-dataparallel",
                        "dataloader-sampler-batchshard", "iterable-dataparallel",
                        "arrays-batchxmodel", "dataloader-sampler-batchxmodel")},
-                   **backends.UNMUTATED_FAILS, **workflows.UNMUTATED_FAILS, **models.UNMUTATED_FAILS}
+                   **backends.UNMUTATED_FAILS, **workflows.UNMUTATED_FAILS, **models.UNMUTATED_FAILS,
+                   **hub.UNMUTATED_FAILS}
 
 
 def unmutated_tier(nproc: int = 2) -> tuple[str, ...]:
