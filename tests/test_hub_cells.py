@@ -136,7 +136,7 @@ def test_a_kerashub_that_does_not_import_skips_its_cells_with_one_line_and_nothi
     broken = tmp_path / "hub" / "keras_hub"
     broken.mkdir(parents=True)
     (broken / "__init__.py").write_text("from keras.src.backend import get_keras_mask\n")
-    cells = "gemma-fit-sgd-authors or llama-lora-authors or list-devices"
+    cells = "(gemma-fit-sgd-authors and not 2x2) or llama-lora-authors or list-devices"
     done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs",
                            "conformance/test_hub.py", "conformance/test_setup.py", "-k", cells,
                            f"--keras-hub-path={tmp_path / 'hub'}"],

@@ -195,7 +195,7 @@ def test_every_cluster_gets_a_script_or_says_why(tmp_path):
                                                             "test_workflow[fit-freeze-fit-eager-dataparallel]"]
     assert {w["verdict"]: w["why"] for w in result["without"]} == {
         "compile-timeout": "a compile still running at the timeout, not a failure: rerun with a larger --rank-timeout",
-        "error": "no training or op or workflow cell in it (family setup)",
+        "error": "no training, op, workflow or KerasHub cell in it (family setup)",
         "hang": "none of its cells recorded its spec (they failed before they ran)",
     }
     workflow = (tmp_path / "fit-freeze-fit-eager-dataparallel.py").read_text()
