@@ -217,6 +217,13 @@ def ranks_stopped(cell: dict) -> bool:
     return not ranks or any(r["status"] != "ok" for r in ranks)
 
 
+def flow_broken(family_of: Callable[[dict], bool]):
+    """``breaks`` of a promise that a flow trains as one process running it: a cell of the family whose numbers
+    or layouts differ, whose rank hung or stopped, or whose evidence the judge found in error."""
+    return lambda cell: family_of(cell) and (cell["verdict"] in (NUMERICS, SHARDING_LOST, HANG_VERDICT)
+                                             or ranks_stopped(cell) or judged_error(cell))
+
+
 def judged_error(cell: dict) -> bool:
     """An ``error`` the judge gave from evidence every rank returned (not a rank's exception)."""
     return cell["verdict"] == ERROR and not ranks_stopped(cell)
@@ -308,8 +315,7 @@ PROMISES = (
     Promise("workflows-train-as-one-process", "the flows users run between and around fits (fine-tuning, LoRA "
             "after a fit, a recompile, another batch size, a model built or loaded before the distribution, a "
             "second distribution) train as one process running them does", tests=workflow,
-            breaks=lambda cell: workflow(cell) and (cell["verdict"] in (NUMERICS, SHARDING_LOST, HANG_VERDICT)
-                                                    or ranks_stopped(cell) or judged_error(cell)),
+            breaks=flow_broken(workflow),
             kept_despite=lambda cell: workflow(cell) and cell["verdict"] == COMPILE_FALLBACK,
             scope="after every fit of the flow: each step's loss, every weight and the ranks' agreement against "
                   "one process running the same flow on the global batches, frozen variables bit-equal, and the "
@@ -319,8 +325,7 @@ PROMISES = (
     Promise("kerashub-models-train-as-one-process", "KerasHub's causal LMs under their authors' layout maps (and "
             "a user's, and DataParallel) fit, fine-tune with LoRA, load a preset, generate and reload as one "
             "process does", tests=hub,
-            breaks=lambda cell: hub(cell) and (cell["verdict"] in (NUMERICS, SHARDING_LOST, HANG_VERDICT)
-                                               or ranks_stopped(cell) or judged_error(cell)),
+            breaks=flow_broken(hub),
             kept_despite=lambda cell: hub(cell) and cell["verdict"] == OVER_BUDGET,
             checks=(fit_checks.FROZEN_UNCHANGED, fit_checks.VARIABLE_LAYOUTS, fit_checks.SLOT_LAYOUTS,
                     hub_checks.FLOW_NUMBERS, hub_checks.GENERATED_IDS),

@@ -131,39 +131,47 @@ def _judge(values):
 ''',
 )
 
+def _flow_code(passed: str, run: str, judge: str, doc: str) -> str:
+    """The code of a family whose rank function ``run(spec, distributed)`` runs a flow in every process and
+    in one process (``_WITH_REFERENCE``), writing files (where the spec names a folder) into a folder of each
+    process's own, and whose judge ``judge`` (an expression of ``values``, ``reference``) skips a flow the
+    process count cannot run: the workflow and KerasHub families."""
+    return f'''
+#: What a run that does not reproduce did.
+_PASSED = {passed!r}
+
+
+def _cell(spec, distributed=True):
+    """``{run}``; a flow that writes files writes them into a folder of this process's own."""
+    import tempfile
+
+    return {run}(dict(spec, folder=tempfile.mkdtemp()) if "folder" in spec else spec, distributed)
+
+
+def _reference_spec(spec):
+    return dict(spec, layout={{"kind": "single"}}, layout_name="single", compile="nojit")
+''' + _WITH_REFERENCE + f'''
+
+def _judge(evidence):
+    """The suite's own checks in the suite's order ({doc}, inlined above): (verdict, message) or None."""
+    values, reference = evidence
+    skips = [v["skip"] for v in values if "skip" in v]
+    if skips:
+        print(f"not run: {{skips[0]}}", flush=True)
+        return None
+    return {judge}
+'''
+
+
 WORKFLOWS = Family(
     name="workflow",
     prefix="workflows",
     modules=(*TRAINING.modules, "conformance.ranks.workflows", "conformance.judge.workflows"),
     spec_comment="The cell, literally: the flow, its compile mode and layout (a second layout where the flow has one).",
-    code='''
-#: What a run that does not reproduce did.
-_PASSED = ("ran the flow and passed the suite's checks (frozen variables, layouts, every fit's numbers "
-           "against one process running the same flow, compilation)")
-
-
-def _cell(spec, distributed=True):
-    """``run_flow``; a flow that writes files writes them into a folder of this process's own."""
-    import tempfile
-
-    return run_flow(dict(spec, folder=tempfile.mkdtemp()) if "folder" in spec else spec, distributed)
-
-
-def _reference_spec(spec):
-    return dict(spec, layout={"kind": "single"}, layout_name="single", compile="nojit")
-''' + _WITH_REFERENCE + '''
-
-def _judge(evidence):
-    """The suite's own checks in the suite's order (workflow_failure, conformance/judge/workflows.py,
-    inlined above): (verdict, message) or None."""
-    values, reference = evidence
-    skips = [v["skip"] for v in values if "skip" in v]
-    if skips:
-        print(f"not run: {skips[0]}", flush=True)
-        return None
-    flow = FLOWS[SPEC["flow"]]
-    return workflow_failure(SPEC, values, reference, flow.layout_phases)
-''',
+    code=_flow_code("ran the flow and passed the suite's checks (frozen variables, layouts, every fit's numbers "
+                    "against one process running the same flow, compilation)", "run_flow",
+                    'workflow_failure(SPEC, values, reference, FLOWS[SPEC["flow"]].layout_phases)',
+                    "workflow_failure, conformance/judge/workflows.py"),
 )
 
 KERASHUB = Family(
@@ -172,33 +180,9 @@ KERASHUB = Family(
     modules=(*TRAINING.modules, "conformance.judge.workflows", "conformance.ranks.hub", "conformance.judge.hub"),
     spec_comment=("The cell, literally: the KerasHub model, the flow, the layout (the authors' map is made on each rank). "
                   "KerasHub must be importable too (installed, or PYTHONPATH=/path/to/keras-hub-checkout)."),
-    code='''
-#: What a run that does not reproduce did.
-_PASSED = ("ran the flow and passed the suite's checks (the map's layouts, slots and the rest whole, every "
-           "fit's numbers and generate's ids against one process running the same flow)")
-
-
-def _cell(spec, distributed=True):
-    """``run_hub``; a flow that writes a preset writes it into a folder of this process's own."""
-    import tempfile
-
-    return run_hub(dict(spec, folder=tempfile.mkdtemp()) if "folder" in spec else spec, distributed)
-
-
-def _reference_spec(spec):
-    return dict(spec, layout={"kind": "single"}, layout_name="single", compile="nojit")
-''' + _WITH_REFERENCE + '''
-
-def _judge(evidence):
-    """The suite's own checks in the suite's order (hub_failure, conformance/judge/hub.py, inlined
-    above): (verdict, message) or None."""
-    values, reference = evidence
-    skips = [v["skip"] for v in values if "skip" in v]
-    if skips:
-        print(f"not run: {skips[0]}", flush=True)
-        return None
-    return hub_failure(SPEC, values, reference)
-''',
+    code=_flow_code("ran the flow and passed the suite's checks (the map's layouts, slots and the rest whole, every "
+                    "fit's numbers and generate's ids against one process running the same flow)", "run_hub",
+                    "hub_failure(SPEC, values, reference)", "hub_failure, conformance/judge/hub.py"),
 )
 
 #: What ``conftest.pytest_conformance_reproducer_families`` offers the plugin.

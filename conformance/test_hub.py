@@ -16,6 +16,7 @@ The default tier takes ``DEFAULT``; ``--full`` every model x flow x layout.
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import pytest
 
@@ -60,8 +61,16 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 @pytest.fixture(scope="session")
 def hub_references(keras_hub_reference) -> References:
     """One process running each flow of each model (shared by a flow's layouts; not by a flow that writes
-    files, whose spec names the cell's folder)."""
+    files, whose spec names the cell's folder). It first asks the KerasHub under test for its causal LMs with
+    a layout map: one ``MODELS`` has no row for (a KerasHub contributor's new map) is warned about once."""
     keras_hub_reference.start()  # here, so no cell's duration includes starting it
+    listed = keras_hub_reference.run(rank_hub.causal_lms)
+    ran_everywhere(listed)
+    known = {model.task for model in rank_hub.MODELS.values()}
+    for task, backbone in sorted(listed.values[0].items()):
+        if task not in known:
+            warnings.warn(pytest.PytestWarning(f"KerasHub's {task} ({backbone}.get_layout_map) has no row in "
+                                               "conformance/ranks/hub.MODELS: its layout map is not judged"))
     return References(keras_hub_reference)
 
 

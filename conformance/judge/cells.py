@@ -155,29 +155,29 @@ def judge_on_batch(spec: dict, result, reference) -> None:
 
 
 # ---------------------------------------------------------------- workflow cells
-def judge_workflow(spec: dict, result, reference, flow) -> None:
-    """A workflow cell: ran everywhere (a flow the process count cannot run skips with the reason),
-    then ``workflows.workflow_failure``'s checks against one process running the same flow;
-    ``flow`` is its ``ranks/workflows.Flow`` (which phases' layouts are judged)."""
+def flow_ran(result, reference) -> None:
+    """A flow's cell ran everywhere (a flow the process count cannot run skips with the reason), and so did
+    the one process it is judged against (else the harness' ``error``)."""
     ran_everywhere(result)
     skips = [v["skip"] for v in result.values if "skip" in v]
     if skips:
         pytest.skip(skips[0])
     if not reference.ok:
         raise CellFailure(ERROR, "the single-process reference failed:\n" + reference.story(), reference)
+
+
+def judge_workflow(spec: dict, result, reference, flow) -> None:
+    """A workflow cell: ``flow_ran``, then ``workflows.workflow_failure``'s checks against one process running
+    the same flow; ``flow`` is its ``ranks/workflows.Flow`` (which phases' layouts are judged)."""
+    flow_ran(result, reference)
     raise_found(workflows.workflow_failure(spec, result.values, reference.values[0], flow.layout_phases), result)
 
 
 def judge_hub(spec: dict, result, reference, record=None) -> None:
-    """A KerasHub cell: ran everywhere (a flow that cannot run here skips with the reason), then
-    ``hub.hub_checks``' checks against one process running the same flow from the same weights, each one's
-    outcome handed to ``record`` (the ``record_checks`` fixture) before the verdict is raised."""
-    ran_everywhere(result)
-    skips = [v["skip"] for v in result.values if "skip" in v]
-    if skips:
-        pytest.skip(skips[0])
-    if not reference.ok:
-        raise CellFailure(ERROR, "the single-process reference failed:\n" + reference.story(), reference)
+    """A KerasHub cell: ``flow_ran``, then ``hub.hub_checks``' checks against one process running the same flow
+    from the same weights, each one's outcome handed to ``record`` (the ``record_checks`` fixture) before the
+    verdict is raised."""
+    flow_ran(result, reference)
     found, outcomes = hub.hub_checks(spec, result.values, reference.values[0])
     if record is not None:
         record(outcomes)
