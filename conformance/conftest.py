@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 import threading
 from collections.abc import Iterator
 
@@ -117,6 +118,14 @@ def pytest_conformance_reproducer_families() -> list:
     from conformance import reproducible
 
     return list(reproducible.FAMILIES)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_conformance_recorded_expectations(config) -> list:
+    """The expectations files recorded for the default build (``expectations/``: its nproc-2 file and the
+    2x2 mesh's), each naming the build, torch, backend and nproc it was recorded for."""
+    folder = pathlib.Path(__file__).resolve().parent.parent / "expectations"
+    return sorted(str(path) for path in folder.glob("*.txt"))
 
 
 @pytest.hookimpl(optionalhook=True)
