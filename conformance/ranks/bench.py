@@ -20,6 +20,7 @@ import numpy as np
 from keras_dtensor_conformance import rank_context
 
 from conformance.ranks import train as rank_train
+from conformance.ranks.step_communication import measure_step_communication
 
 BATCH = 64
 
@@ -86,22 +87,89 @@ def _slowest(values: list[float], distributed: bool) -> list[float]:
     return tensor.tolist()
 
 
+def _hub_model(spec: dict, distributed: bool):
+    """A KerasHub causal LM of the KerasHub cells (``ranks/hub.py``: its tiny configuration, under its
+    layout, the authors' map made from its backbone), compiled with SGD as their ``fit-sgd`` flow is (not
+    compiled by torch), and this process's part of the first global batch."""
+    from conformance.ranks import hub as rank_hub
+
+    run = rank_hub.Run({"model": spec["model"], "flow": "fit-sgd", "layout": spec["layout"]}, distributed)
+    run.distribute()
+    lm = run.build()
+    run.compile(lm)
+    x, y, _ = rank_hub.make_data()
+    rows = run.local_rows(rank_hub.ROWS)[:rank_hub.GLOBAL_BATCH // run.part()[1]]
+    return lm, ({k: v[rows] for k, v in x.items()}, y[rows]), rank_hub.GLOBAL_BATCH
+
+
+def _tensor_bytes(tensor) -> int:
+    """The bytes this process holds of ``tensor``: a DTensor's local part, else all of it."""
+    from torch.distributed.tensor import DTensor
+
+    data = getattr(tensor, "data", tensor)
+    local = data.to_local() if isinstance(data, DTensor) else data
+    return local.numel() * local.element_size()
+
+
+def _live_tensor_bytes() -> int:
+    """The bytes of every tensor storage alive in this process (each storage once; a DTensor by its local
+    part), whoever holds it: what a variable's value, an optimizer slot or a copy kept beside them occupies."""
+    import gc
+
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    storages = {}
+    for obj in gc.get_objects():
+        if not isinstance(obj, torch.Tensor):
+            continue
+        tensor = obj.to_local() if isinstance(obj, DTensor) else obj
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # a tensor with no storage of its own (meta, a subclass)
+            continue
+        if storage.device.type != "meta":
+            storages[(storage.device.type, storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())
+
+
+def held_bytes(model, before: int) -> dict:
+    """What this process holds for the model: its variables' and its optimizer's variables' bytes (local
+    parts: a sharded layout holds about 1/N of a sharded variable), the same bytes whole (what one process
+    holds), and the tensors alive beyond those since ``before`` (``_live_tensor_bytes`` then): a full copy
+    kept beside a sharded variable shows there."""
+    parameters = sum(_tensor_bytes(v.value) for v in model.weights)
+    slots = sum(_tensor_bytes(v.value) for v in model.optimizer.variables)
+    whole = sum(math.prod(v.shape) * v.value.element_size() for v in [*model.weights, *model.optimizer.variables])
+    return {"parameters": parameters, "slots": slots, "whole": whole,
+            "other": max(0, _live_tensor_bytes() - before - parameters - slots)}
+
+
 def open_bench(spec: dict, warmup: int, distributed: bool = True, round_seconds: float = ROUND_SECONDS) -> dict:
     """Build the cell's model, run ``warmup`` untimed steps (compilation included) and keep it.
 
     Then time a few steps and choose how many steps a round takes to last ``round_seconds``;
     every rank gets the same count (from the slowest rank), so all of them join every collective.
+    What this process holds for the model after warm-up (``held_bytes``) and, distributed, what one
+    more step communicates (``measure_step_communication``: bytes and collectives), are returned too.
     """
     import keras
 
     _OPEN.clear()
-    if distributed:
-        keras.distribution.set_distribution(rank_train.make_distribution(spec["layout"]))
-    keras.utils.set_random_seed(0)
-    model = _bench_model(spec["model"])
-    model.compile(optimizer=rank_train.build_optimizer(spec["optimizer"]), loss="mse",
-                  jit_compile=spec["compile"] == "jit")
-    x, y = _batch(spec["model"])
+    import gc
+
+    gc.collect()
+    before = _live_tensor_bytes()
+    if spec.get("family") == "kerashub":
+        model, (x, y), batch = _hub_model(spec, distributed)
+    else:
+        if distributed:
+            keras.distribution.set_distribution(rank_train.make_distribution(spec["layout"]))
+        keras.utils.set_random_seed(0)
+        model = _bench_model(spec["model"])
+        model.compile(optimizer=rank_train.build_optimizer(spec["optimizer"]), loss="mse",
+                      jit_compile=spec["compile"] == "jit")
+        (x, y), batch = _batch(spec["model"]), BATCH
     for _ in range(warmup):
         model.train_on_batch(x, y)
     ctx = rank_context.current()
@@ -113,7 +181,13 @@ def open_bench(spec: dict, warmup: int, distributed: bool = True, round_seconds:
     (step,) = _slowest([(time.perf_counter() - start) / CALIBRATION_STEPS], distributed)
     steps = max(1, math.ceil(round_seconds / max(step, 1e-9)))
     _OPEN.update(model=model, batch=(x, y), distributed=distributed, steps=steps)
-    return {"batch": BATCH, "steps_per_round": steps}
+    gc.collect()
+    held = held_bytes(model, before)
+    moved = None
+    if distributed:
+        measured = measure_step_communication(model, x, y)
+        moved = {"bytes": measured["bytes"], "collectives": measured["count"]}
+    return {"batch": batch, "steps_per_round": steps, "step_s": step, "held": held, "moved": moved}
 
 
 def time_rounds(rounds: int) -> dict:
