@@ -1,6 +1,6 @@
 """Measure run-to-run noise of the step-time benchmarks before choosing a --benchmark-compare-fail threshold.
 
-    python scripts/benchmark_noise.py --runs 5 --threshold 300 -k "test_step_time and mlp-sgd"
+    python scripts/benchmark_noise.py --runs 5 --threshold 300 -k "test_step_time and mlp-adam"
 
 Runs the selected benchmarks RUNS times (each a fresh pytest session, saved with
 --benchmark-autosave in a temporary storage), then prints per benchmark the min and median of
@@ -26,7 +26,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--threshold", type=float, default=300.0, help="percent, as in --benchmark-compare-fail=min:N%%")
-    parser.add_argument("-k", default="test_step_time and (mlp-sgd-colshard-nojit or mlp-sgd-dataparallel-nojit)")
+    parser.add_argument("-k", default="test_step_time and (mlp-adam-colshard-nojit or mlp-adam-dataparallel-nojit)")
     parser.add_argument("pytest_args", nargs="*", help="more pytest arguments, e.g. --keras-path ../keras")
     args = parser.parse_args()
     storage = tempfile.mkdtemp(prefix="kdc-noise-")

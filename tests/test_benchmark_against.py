@@ -124,12 +124,15 @@ def test_the_short_version_flags_a_slowed_build_and_not_a_copy(tmp_path):
     """CI's short version: one cell, one session each way, few pairs, a slowdown no noise here hides."""
     out = tmp_path / "ab.json"
     cmd = [sys.executable, "scripts/benchmark_ab.py", "--sessions", "1", "--slowdown", "1.0", "--ratio-fail", "1.25",
-           "--pairs", "8", "--check", "--out", str(out)]
+           "--pairs", "8", "-k", "test_step_time and mlp-adam-dataparallel-nojit", "--check", "--out", str(out)]
     done = subprocess.run(cmd, cwd=ROOT, env=session_env(), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "mutant flagged in 1 of 1 sessions; the same build in 0 of 1" in done.stdout
     report = json.loads(out.read_text())
     (slowed,), (same,) = report["runs"]["mutant"], report["runs"]["same"]
+    # The line a reviewer pastes: the build slower (over its one cell), and its copy not.
+    assert slowed["verdict"].split(": ")[1] == "SLOWER" and same["verdict"].split(": ")[1] == "not slower"
+    assert "over 1 cell (cpu time, 8 interleaved pairs a cell" in slowed["verdict"]
     assert slowed["ratios"]["wall"]["low"] > 1.25 and slowed["ratios"]["cpu"]["ratio"] > 1.25
     for run in (slowed, same):
         assert run["timer"].endswith("rank_clock")  # the rounds reached pytest-benchmark through its marker

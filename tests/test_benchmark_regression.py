@@ -20,7 +20,7 @@ from tests.test_mutants import session_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 THRESHOLD = "min:300%"  # docs/benchmarks.md, "Noise, and the threshold": what five runs of one build stay within here
-CELLS = "test_step_time and mlp-sgd-dataparallel-nojit"
+CELLS = "test_step_time and mlp-adam-dataparallel-nojit"
 
 
 def bench(keras_path: str, storage: str, *extra: str) -> subprocess.CompletedProcess:
@@ -47,7 +47,7 @@ def test_compare_fail_flags_a_slowed_optimizer_and_not_a_rerun(keras_nightly_tre
     output = slowed.stdout + slowed.stderr
     assert slowed.returncode != 0, output[-3000:]
     assert "Performance has regressed" in output
-    assert "mlp-sgd-dataparallel-nojit" in output[output.index("Performance has regressed"):]
+    assert "mlp-adam-dataparallel-nojit" in output[output.index("Performance has regressed"):]
     # The builds' banners are in pytest-benchmark's machine info: it says the two runs differ, and
     # does not crash on storage outside the current folder (ionelmc/pytest-benchmark#217).
     assert "machine_info is different" in output and '"keras_path": "' + mutant in output

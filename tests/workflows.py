@@ -140,7 +140,10 @@ def ci_legs() -> list[Leg]:
     match = re.search(r'pip install --quiet -c (\S+) -e "\.\[([\w,-]+)\]"', run)
     assert match, ".ci/run's install line changed: teach ci_legs to read it"
     constraints, extras = match.group(1), match.group(2).split(",")
-    return [Leg("ci.yml:self-tests", str(python), tuple(project_requirements(*extras)), constraints)]
+    # Requirements files installed without their dependencies (KerasHub's: requirements-hub.txt).
+    downloads = tuple(line.strip() for name in re.findall(r"pip install --quiet --no-deps -r (\S+)", run)
+                      for line in (ROOT / name).read_text().splitlines() if line.strip() and not line.startswith("#"))
+    return [Leg("ci.yml:self-tests", str(python), tuple(project_requirements(*extras)), constraints, downloads)]
 
 
 def readme_caller_text() -> str:

@@ -109,10 +109,10 @@ def fit_ids(*names: str) -> tuple[str, ...]:
 
 # ------------------------------------------------------------------ the kit: every family's cases
 # Imported here, after the kit's core above, which each family imports.
-from tests.mutants import backends, checks, data, hub, models, on_batch, state, training, workflows  # noqa: E402
+from tests.mutants import backends, checks, data, hub, models, on_batch, performance, state, training, workflows  # noqa: E402
 
 CASES = (*training.CASES, *data.CASES, *checks.CASES, *on_batch.CASES, *models.CASES, *state.CASES, *backends.CASES,
-         *workflows.CASES, *hub.CASES)
+         *workflows.CASES, *hub.CASES, *performance.CASES)
 
 
 #: Cells of some mutant's tier that the unmutated build fails, each with its verdict: the build's own bug

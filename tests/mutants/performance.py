@@ -3,7 +3,7 @@ with a second gradient sync (the step-time benchmarks' and the communication bud
 
 from __future__ import annotations
 
-from tests.mutants import Mutant, Patch
+from tests.mutants import Case, Mutant, Patch, fit_ids
 
 SLOW_OPTIMIZER = Mutant(
     name="slow-optimizer-update",
@@ -100,3 +100,25 @@ def slow_step(fraction: float) -> Mutant:
             ),
         ),
     )
+
+
+#: A sharded variable whose full initial value stays alive beside its shards (a build that distributes a
+#: variable and keeps the replicated original it distributed): every number and placement as before, and each
+#: rank holds the whole of every sharded variable again. The step-time benchmarks' memory figure shows it
+#: (``tests/test_benchmark_facts.py``).
+FULL_COPY_KEPT = Mutant(
+    "full-copy-kept",
+    "a sharded variable keeps the full tensor it was distributed from: every rank holds a whole copy beside its shard",
+    (Patch("keras/src/backend/torch/ops/core.py",
+           "        dtensor = distribution_lib.distribute_tensor(value, self._layout)\n",
+           "        dtensor = distribution_lib.distribute_tensor(value, self._layout)\n"
+           "        self._full_copy = value  # mutant: the full original kept alive\n"),),
+)
+
+# The kit's case: a build 30 % slower that computes every number as before passes the cells of an optimizer
+# update on split kernels and under DataParallel (the benchmarks flag such a build: tests/test_benchmark_against.py,
+# docs/benchmarks.md). The build holding full copies is the memory figure's proof (tests/test_benchmark_facts.py).
+PERFORMANCE_CASES = (
+    Case(slow_step(0.3), {}, tier=fit_ids("adam-arrays-nojit-colshard", "adam-arrays-nojit-dataparallel")),
+)
+CASES = PERFORMANCE_CASES
