@@ -47,8 +47,13 @@ def test_it_serves_only_a_rank_whose_environment_gives_the_import_the_same_value
 def rank_zygote(keras_ranks):
     keras_ranks.run(torch_cells.whoami)  # started
     zygote = keras_ranks.rank_zygote
-    if zygote is None or not zygote.serving:
-        pytest.skip(f"no pool zygote here: {zygote.why_not if zygote else 'none (no session zygote)'}")
+    if zygote is None:
+        pytest.skip("no pool zygote here: none (no session zygote)")
+    if not zygote.serving:
+        # On Linux a zygote that does not serve is a defect, not a platform's limit: every rank then imports
+        # torch and the build itself (a thread a warm import left, once, made CI's order self-test 5x longer).
+        (pytest.fail if sys.platform.startswith("linux") else pytest.skip)(f"the pool's zygote does not serve: "
+                                                                          f"{zygote.why_not}")
     return zygote
 
 

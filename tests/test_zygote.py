@@ -96,9 +96,10 @@ def test_a_forked_childs_first_compile_finds_its_backends_modules_imported(zygot
     proc, out, err = spawn(zygote, tmp_path, "first-compile", backend)
     assert isinstance(proc, ForkedProcess), zygote.why_not
     assert proc.wait(timeout=120) == 0, open(err).read()
-    # 16 (aot_eager) and 40 (inductor) here; 373 and 561 from a zygote without them, 1,285 and 1,563
-    # in a fresh process (``python -m tests.zygote_child first-compile BACKEND``), dynamo's own included.
-    assert json.loads(open(out).read())["imported"] < 100
+    # 16 (aot_eager) and 40 (inductor) here, 101 on inductor where its cache has not the kernel yet (the code
+    # generator's sympy modules); 373 and 561 from a zygote without them, 1,285 and 1,563 in a fresh process
+    # (``python -m tests.zygote_child first-compile BACKEND``), dynamo's own included.
+    assert json.loads(open(out).read())["imported"] < 200
 
 
 def test_a_forked_child_finds_the_source_files_the_zygote_was_asked_to_read(zygote, tmp_path):
