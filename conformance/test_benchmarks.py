@@ -140,17 +140,13 @@ def against_ranks(conformance_state, keras_ranks):
 
 @pytest.fixture(scope="session")
 def baselines(request, conformance_state, single_process) -> Baselines:
-    def hub():
-        pool = request.getfixturevalue("keras_hub_reference")
-        pool.start()
-        return pool
-
-    return Baselines({"keras": lambda: single_process, "kerashub": hub}, conformance_state.options["benchmark_pairs"],
-                     round_seconds(request.config))
+    pools = {"keras": lambda: single_process, "kerashub": lambda: request.getfixturevalue("hub_single_process")}
+    return Baselines(pools, conformance_state.options["benchmark_pairs"], round_seconds(request.config))
 
 
 @pytest.fixture(scope="session")
 def hub_single_process(keras_hub_reference):
+    """KerasHub's single-process pool, started (the KerasHub cells' and their baselines')."""
     keras_hub_reference.start()
     return keras_hub_reference
 

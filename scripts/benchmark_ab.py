@@ -35,12 +35,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from keras_dtensor_conformance.bench.paired_rounds import TRIM, interval_text  # noqa: E402
+from keras_dtensor_conformance.options import DEFAULT_CELL_FLAG, DEFAULT_RATIO_FLAG  # noqa: E402
 from keras_dtensor_conformance.options import RATIO_STATS as STATS  # noqa: E402
 
 from tests.mutants import write_mutant  # noqa: E402
 from tests.mutants.performance import slow_step  # noqa: E402
 
-CELL = "test_step_time and mlp-adam-dataparallel-nojit"
 #: The busy loop a loaded session runs beside it (``--load N``: N of them, one core each).
 BUSY = "import itertools\nfor _ in itertools.count(): pass"
 
@@ -127,7 +127,8 @@ def pairs_needed(same_logs: np.ndarray, difference: float, rng: np.random.Genera
 
 
 def summary_rates(same_runs: list[dict], stat: str, pairs: int, rng: np.random.Generator,
-                  simulated: int = 200, threshold: float = 1.05, cell_threshold: float = 1.15) -> dict:
+                  simulated: int = 200, threshold: float = DEFAULT_RATIO_FLAG,
+                  cell_threshold: float = DEFAULT_CELL_FLAG) -> dict:
     """How often the summary line says SLOWER (the ratio over every cell wholly above ``threshold``, or one
     cell's above ``cell_threshold``: ``bench/facts.verdict_line``) in simulated sessions of ``pairs`` pairs a
     cell, drawn from the same-build sessions' paired log-ratios of each cell: unshifted (the false alarms), every

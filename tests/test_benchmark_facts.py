@@ -57,18 +57,23 @@ def entries(ratios: dict[str, float], pairs: int = 20, seed: int = 0) -> list[di
     return out
 
 
+def verdict_line(cells: list[dict], *args) -> str | None:
+    """``facts.verdict_line`` over ``cells``' own ``overall_interval``, as the glue calls it."""
+    return facts.verdict_line(cells, facts.overall_interval(cells), *args)
+
+
 def test_the_line_for_the_pull_request_says_slower_over_every_cell_or_for_one():
-    same = facts.verdict_line(entries({"a": 1.0, "b": 0.97, "c": 1.03}), "cpu", 1.05, 1.15, "../keras-main", False)
+    same = verdict_line(entries({"a": 1.0, "b": 0.97, "c": 1.03}), "cpu", 1.05, 1.15, "../keras-main", False)
     assert same.startswith("step time against ../keras-main: not slower: ") and "over 3 cells" in same
     assert "no cell above 1.15 (largest: c 1.0" in same
-    slower = facts.verdict_line(entries({"a": 1.12, "b": 1.09, "c": 1.1}), "cpu", 1.05, 1.15, "../keras-main", False)
+    slower = verdict_line(entries({"a": 1.12, "b": 1.09, "c": 1.1}), "cpu", 1.05, 1.15, "../keras-main", False)
     assert ": SLOWER: 1.0" in slower and "slower: all of it above 1.05)" in slower
     # One layout of nine 35 % slower: the mean over cells dilutes it below 1.05, its own interval does not.
-    one = facts.verdict_line(entries({**{f"c{i}": 1.0 for i in range(8)}, "rowshard": 1.35}), "cpu", 1.05, 1.15,
-                             "main", False)
+    one = verdict_line(entries({**{f"c{i}": 1.0 for i in range(8)}, "rowshard": 1.35}), "cpu", 1.05, 1.15,
+                       "main", False)
     assert ": SLOWER: 1.0" in one and "over 9 cells" in one and "; 1 cell above 1.15: rowshard 1.3" in one
     assert not facts.overall_interval(entries({**{f"c{i}": 1.0 for i in range(8)}, "rowshard": 1.35}))["low"] > 1.05
-    assert facts.verdict_line([], "cpu", 1.05, 1.15, "main", False) is None
+    assert verdict_line([], "cpu", 1.05, 1.15, "main", False) is None
 
 
 def session(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
